@@ -1,0 +1,43 @@
+"""Attention of new query tokens over cached keys (paged pages, SWA pages or ring rows) plus the
+new tokens' own keys: the one dispatch point the serving path calls.
+
+Layout: a layer's cache is `k_cache, v_cache: [R, Hkv, D]` (all rows of that layer's component);
+which rows a sequence reads is given per sequence, so paged, paged-SWA and ring storage all look
+the same here. The queries of a batch are padded per sequence:
+
+    q:            [B, Q, H, D]    new tokens' queries (Q = longest chunk in the batch)
+    q_pos:        [B, Q]          their positions, -1 for padding
+    k_new, v_new: [B, Q, Hkv, D]  the new tokens' keys/values (not yet in the cache)
+    old_rows:     [B, M]          cache rows of the earlier positions this chunk may see
+    old_pos:      [B, M]          their positions, -1 for padding
+    window:       None (full attention) or W (query p sees keys p-W+1 .. p)
+    -> out        [B, Q, H, D]
+
+On CUDA a Triton kernel would be picked here; on CPU the torch reference below is the path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window):
+    B, Q, H, D = q.shape
+    Hkv = k_new.shape[2]
+    keys = torch.cat((k_cache[old_rows], k_new), dim=1)  # [B, M+Q, Hkv, D]
+    values = torch.cat((v_cache[old_rows], v_new), dim=1)
+    k_pos = torch.cat((old_pos, q_pos), dim=1)  # [B, M+Q]
+    delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Q, M+Q]
+    allowed = (k_pos[:, None, :] >= 0) & (delta >= 0)
+    if window is not None:
+        allowed &= delta < window
+    allowed |= (q_pos < 0)[:, :, None]  # padded queries attend anything; their output is dropped
+    keys = keys.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # [B, H, M+Q, D]
+    values = values.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=allowed[:, None])
+    return out.transpose(1, 2)  # [B, Q, H, D]
+
+
+def chunk_attention(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window):
+    """Dispatch point: Triton on CUDA (see kernels/README.md), the torch reference elsewhere."""
+    return chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window)

@@ -1,0 +1,82 @@
+"""Load and save a Baton checkpoint: a Hugging Face directory with config.json,
+model.safetensors (MTP weights under `mtp.`) and tokenizer.json. Never downloads anything."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ConfigError, ModelConfig
+from .model import BatonLM
+
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "baton-tiny"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the problem."""
+
+
+def check_files(path: Path) -> None:
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is missing {', '.join(missing)}")
+
+
+def load_weights(model: BatonLM, weights_path: Path) -> None:
+    expected = model.state_dict()
+    if model.cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    with safe_open(str(weights_path), framework="pt") as f:
+        stored = set(f.keys())
+        missing = sorted(set(expected) - stored)
+        if missing:
+            raise CheckpointError(f"{weights_path} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+        unexpected = sorted(stored - set(expected) - {"lm_head.weight"})
+        if unexpected:
+            raise CheckpointError(f"{weights_path} has tensors the config does not describe: {unexpected[:3]}")
+        with torch.no_grad():
+            for name, param in expected.items():
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise CheckpointError(
+                        f"{weights_path}: tensor {name} has shape {tuple(tensor.shape)}, "
+                        f"config.json implies {tuple(param.shape)}")
+                param.copy_(tensor)
+
+
+def load_model(path: str | Path = DEFAULT_MODEL_DIR, dtype: torch.dtype = torch.float32) -> BatonLM:
+    path = Path(path)
+    check_files(path)
+    try:
+        cfg = ModelConfig.load(path)
+    except ConfigError as exc:
+        raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
+    model = BatonLM(cfg)
+    load_weights(model, path / "model.safetensors")
+    return model.to(dtype).eval()
+
+
+def save_model(model: BatonLM, path: str | Path) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight")
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=2) + "\n")
+
+
+def fingerprint(path: str | Path = DEFAULT_MODEL_DIR) -> str:
+    """Hash of config.json and the weights file: workers must agree on it to exchange state."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        digest.update((path / name).read_bytes())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,82 @@
+"""The Baton model: a Qwen3-style target plus DeepSeek-V3-style MTP draft layers.
+
+Weight names follow `transformers`' Qwen3ForCausalLM (`model.*`, `lm_head`) so the target
+loads there too; the MTP layers live under their own prefix `mtp.layers.{j}.*`.
+
+Target:  h = layers(embed(ids))            hidden before the final norm, [T, d]
+         logits = lm_head(norm(h))          [T, V]
+MTP j:   entry at position p takes (h_{p-1}, token_p) and predicts token_{p+1}:
+         x = eh_proj(cat(enorm(embed(token_p)), hnorm(h_{p-1})))  2d -> d
+         g = block(x)                       one decoder layer (its own attention, usually sliding)
+         logits = lm_head(norm(g))          shared final norm and head
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .layers import Attention, DecoderLayer, RMSNorm, Rotary
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.block = DecoderLayer(cfg, layer_id)
+
+
+class TargetModel(nn.Module):
+    """Module tree named like Qwen3Model so state_dict keys match `model.*`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MTPLayer(cfg, layer_id) for layer_id in cfg.draft_layer_ids())
+
+
+class BatonLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = TargetModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = MTPModel(cfg)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """input_ids, positions: [T] -> last target layer's output before the final norm, [T, d]."""
+        cos, sin = self.rotary(positions)  # [T, D] each
+        x = self.model.embed_tokens(input_ids)  # [T, d]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, d] (target or draft) -> logits [T, V] through the shared norm and head."""
+        return self.lm_head(self.model.norm(hidden))
+
+    def draft_hidden(self, prev_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                     attn: Attention, depth: int = 0) -> torch.Tensor:
+        """MTP layer `depth`: prev_hidden [T, d] (h_{p-1}), input_ids/positions [T] (token_p, p) -> [T, d]."""
+        mtp = self.mtp.layers[depth]
+        cos, sin = self.rotary(positions)
+        emb = mtp.enorm(self.model.embed_tokens(input_ids))  # [T, d]
+        x = mtp.eh_proj(torch.cat((emb, mtp.hnorm(prev_hidden)), dim=-1))  # [T, 2d] -> [T, d]
+        return mtp.block(x, cos, sin, attn)
+
+    def target_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items()
+                if not k.startswith("mtp.") and not (self.cfg.tie_word_embeddings and k == "lm_head.weight")}
