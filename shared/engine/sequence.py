@@ -1,0 +1,78 @@
+"""One request as the engine sees it: tokens, KV progress, draft state and statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+DECODE_SEED_SALT = 0x5BD1E995  # decode draws from a different stream than prefill's first token
+
+
+@dataclass
+class SpecStats:
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # accepted count per draft position
+
+    def record(self, k: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.drafted += k
+        self.accepted += accepted
+        if len(self.accepted_at) < k:
+            self.accepted_at.extend([0] * (k - len(self.accepted_at)))
+        for j in range(accepted):
+            self.accepted_at[j] += 1
+
+    def as_dict(self) -> dict:
+        return {"verify_steps": self.verify_steps, "drafted": self.drafted, "accepted": self.accepted}
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams = SamplingParams()
+    stop_token_ids: frozenset[int] = frozenset()
+    output: list[int] = field(default_factory=list)  # generated tokens, the first one included
+    length: int = 0  # target KV positions 0..length-1 are committed
+    draft_len: int = 0  # draft entries below this position are valid
+    draft_floor: int = 0  # lowest draft position that holds an entry
+    pending_hidden: torch.Tensor | None = None  # [length - draft_len + 1, d]: h_{draft_len-1..length-1}
+    finish_reason: str | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    gen: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.gen is None and not self.params.greedy:
+            seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, ()))
+            self.gen = torch.Generator().manual_seed(seed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.output)
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Append generated tokens up to max_tokens or a stop token; returns what was appended."""
+        taken = []
+        for t in tokens:
+            if self.finish_reason:
+                break
+            taken.append(t)
+            self.output.append(t)
+            if t in self.stop_token_ids:
+                self.finish_reason = "stop"
+            elif self.remaining <= 0:
+                self.finish_reason = "length"
+        return taken

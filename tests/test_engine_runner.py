@@ -1,0 +1,102 @@
+"""The step loop: greedy output is exact with speculation on or off, in every draft-state mode,
+with sequences of different lengths batched together; pools end empty."""
+import pytest
+import torch
+
+from baton.shared.engine.runner import ModelRunner, SpecConfig
+from baton.shared.engine.sequence import Sequence
+from baton.shared.kv.store import KVStore
+from baton.shared.model.config import FULL, SLIDING, ModelConfig
+from baton.shared.model.dense_attention import DenseAttention
+from baton.shared.model.model import BatonLM
+
+pytestmark = pytest.mark.unit
+W = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      layer_types=(SLIDING, FULL, SLIDING, FULL), sliding_window=W,
+                      num_nextn_predict_layers=1, mtp_layer_types=(SLIDING,))
+    torch.manual_seed(0)
+    m = BatonLM(cfg)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return m.eval()
+
+
+@torch.no_grad()
+def dense_greedy(model, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        L = len(seq)
+        h = model.forward_hidden(torch.tensor(seq), torch.arange(L), DenseAttention(model.cfg, 1, L))
+        seq.append(int(model.logits(h[-1:]).argmax()))
+    return seq[len(prompt):]
+
+
+def run_aggregated(model, spec: SpecConfig, prompts, max_tokens: int, mode: str = "ring"):
+    store = KVStore(model.cfg, mode=mode, num_pages=200, page_size=4, num_slots=8,
+                    max_draft_tokens=max(spec.draft_tokens, 1))
+    runner = ModelRunner(model, store, spec, prefill_chunk=5)
+    seqs = [Sequence(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    for s in seqs:
+        store.allocate(s.request_id, len(s.prompt) + max_tokens + spec.draft_tokens + 1)
+    hidden = runner.prefill(seqs)
+    for s, h in zip(seqs, hidden):
+        first = s.output.pop()
+        if spec.draft_state == "transfer":
+            runner.fill_draft_window(s, h)
+        tail = h[-W:] if spec.draft_state == "rebuild" else h[-1:]
+        runner.start_decode(s, first, tail, spec.draft_state)
+    while any(s.finish_reason is None for s in seqs):
+        runner.step([s for s in seqs if s.finish_reason is None])
+    for s in seqs:
+        store.free(s.request_id)
+    store.check_integrity()
+    assert store.free_capacity().pages == 200 and store.free_capacity().slots == 8
+    return seqs
+
+
+PROMPTS = [[3, 1, 4], list(range(1, W + 1)), [(7 * i) % 61 for i in range(5 * W + 3)]]
+
+
+@pytest.mark.parametrize("spec", [
+    SpecConfig(enabled=False),
+    *[SpecConfig(True, k, mode) for k in (1, 3, 5) for mode in ("transfer", "rebuild", "cold")],
+], ids=lambda s: f"k{s.draft_tokens}-{s.draft_state}" if s.enabled else "off")
+def test_greedy_exact(model, spec):
+    seqs = run_aggregated(model, spec, PROMPTS, max_tokens=17)
+    for s, p in zip(seqs, PROMPTS):
+        assert s.output == dense_greedy(model, p, 17)
+        assert s.finish_reason == "length" and len(s.output) == 17
+        if spec.enabled:
+            assert s.stats.verify_steps > 0 and s.stats.drafted == s.stats.verify_steps * spec.draft_tokens
+
+
+def test_paged_swa_mode_exact(model):
+    seqs = run_aggregated(model, SpecConfig(True, 3, "transfer"), PROMPTS, 11, mode="paged")
+    assert [s.output for s in seqs] == [dense_greedy(model, p, 11) for p in PROMPTS]
+
+
+def test_stop_token_mid_chain_emits_nothing_after(model):
+    ref = dense_greedy(model, PROMPTS[2], 12)
+    stop = ref[4]
+    store = KVStore(model.cfg, mode="ring", num_pages=100, page_size=4, num_slots=2, max_draft_tokens=5)
+    runner = ModelRunner(model, store, SpecConfig(True, 5, "rebuild"))
+    s = Sequence("r", PROMPTS[2], 12, stop_token_ids=frozenset({stop}))
+    store.allocate("r", len(s.prompt) + 12 + 6)
+    h = runner.prefill([s])[0]
+    runner.start_decode(s, s.output.pop(), h[-W:], "rebuild")
+    while s.finish_reason is None:
+        runner.step([s])
+    assert s.output == ref[:ref.index(stop) + 1] and s.finish_reason == "stop"
+
+
+def test_transfer_and_rebuild_accept_identically(model):
+    """transfer and rebuild put the same draft state in place, so acceptance matches exactly."""
+    t = run_aggregated(model, SpecConfig(True, 3, "transfer"), PROMPTS, 17)
+    r = run_aggregated(model, SpecConfig(True, 3, "rebuild"), PROMPTS, 17)
+    assert [s.stats.accepted_at for s in t] == [s.stats.accepted_at for s in r]
