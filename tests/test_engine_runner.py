@@ -3,9 +3,9 @@ with sequences of different lengths batched together; pools end empty."""
 import pytest
 import torch
 
-from baton.shared.engine.runner import ModelRunner, SpecConfig
+from baton.shared.engine.local import LocalCapacity, LocalEngine
+from baton.shared.engine.runner import SpecConfig
 from baton.shared.engine.sequence import Sequence
-from baton.shared.kv.store import KVStore
 from baton.shared.model.config import FULL, SLIDING, ModelConfig
 from baton.shared.model.dense_attention import DenseAttention
 from baton.shared.model.model import BatonLM
@@ -37,26 +37,14 @@ def dense_greedy(model, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-def run_aggregated(model, spec: SpecConfig, prompts, max_tokens: int, mode: str = "ring"):
-    store = KVStore(model.cfg, mode=mode, num_pages=200, page_size=4, num_slots=8,
-                    max_draft_tokens=max(spec.draft_tokens, 1))
-    runner = ModelRunner(model, store, spec, prefill_chunk=5)
-    seqs = [Sequence(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
-    for s in seqs:
-        store.allocate(s.request_id, len(s.prompt) + max_tokens + spec.draft_tokens + 1)
-    hidden = runner.prefill(seqs)
-    for s, h in zip(seqs, hidden):
-        first = s.output.pop()
-        if spec.draft_state == "transfer":
-            runner.fill_draft_window(s, h)
-        tail = h[-W:] if spec.draft_state == "rebuild" else h[-1:]
-        runner.start_decode(s, first, tail, spec.draft_state)
-    while any(s.finish_reason is None for s in seqs):
-        runner.step([s for s in seqs if s.finish_reason is None])
-    for s in seqs:
-        store.free(s.request_id)
-    store.check_integrity()
-    assert store.free_capacity().pages == 200 and store.free_capacity().slots == 8
+def run_aggregated(model, spec: SpecConfig, prompts, max_tokens: int, mode: str = "ring", stop=()):
+    engine = LocalEngine(model, spec, LocalCapacity(num_pages=200, page_size=4, num_slots=8, mode=mode),
+                         prefill_chunk=5)
+    seqs = engine.run([Sequence(f"r{i}", p, max_tokens, stop_token_ids=frozenset(stop))
+                       for i, p in enumerate(prompts)])
+    engine.store.check_integrity()
+    free = engine.store.free_capacity()
+    assert (free.pages, free.slots) == (200, 8)
     return seqs
 
 
@@ -84,15 +72,15 @@ def test_paged_swa_mode_exact(model):
 def test_stop_token_mid_chain_emits_nothing_after(model):
     ref = dense_greedy(model, PROMPTS[2], 12)
     stop = ref[4]
-    store = KVStore(model.cfg, mode="ring", num_pages=100, page_size=4, num_slots=2, max_draft_tokens=5)
-    runner = ModelRunner(model, store, SpecConfig(True, 5, "rebuild"))
-    s = Sequence("r", PROMPTS[2], 12, stop_token_ids=frozenset({stop}))
-    store.allocate("r", len(s.prompt) + 12 + 6)
-    h = runner.prefill([s])[0]
-    runner.start_decode(s, s.output.pop(), h[-W:], "rebuild")
-    while s.finish_reason is None:
-        runner.step([s])
+    [s] = run_aggregated(model, SpecConfig(True, 5, "rebuild"), [PROMPTS[2]], 12, stop=[stop])
     assert s.output == ref[:ref.index(stop) + 1] and s.finish_reason == "stop"
+
+
+def test_first_token_can_finish_a_request(model):
+    ref = dense_greedy(model, PROMPTS[0], 1)
+    for stop in ([], ref):
+        [s] = run_aggregated(model, SpecConfig(True, 3, "transfer"), [PROMPTS[0]], 1 if not stop else 5, stop=stop)
+        assert s.output == ref and s.finish_reason == ("stop" if stop else "length")
 
 
 def test_transfer_and_rebuild_accept_identically(model):

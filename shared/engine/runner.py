@@ -38,6 +38,12 @@ class SpecConfig:
             raise ValueError(f"draft_tokens must be in 1..16, got {self.draft_tokens}")
 
 
+@dataclass
+class PrefillOutput:
+    first_token: int
+    hidden: torch.Tensor  # [L, d] target hidden states of the prompt (before the final norm)
+
+
 class ModelRunner:
     def __init__(self, model: BatonLM, store: KVStore, spec: SpecConfig, prefill_chunk: int = 256) -> None:
         self.model, self.store, self.spec, self.chunk = model, store, spec, prefill_chunk
@@ -57,9 +63,8 @@ class ModelRunner:
 
     # --- prefill --------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """Fill target KV for each prompt (chunked, batched), sample each first token.
-        Returns every prompt's target hidden states [L, d]."""
+    def prefill(self, seqs: list[Sequence]) -> list[PrefillOutput]:
+        """Fill target KV for each prompt (chunked, batched) and sample each first token."""
         hidden = [[] for _ in seqs]
         done = [0] * len(seqs)
         while any(d < len(s.prompt) for d, s in zip(done, seqs)):
@@ -73,10 +78,7 @@ class ModelRunner:
                 done[i] += c.n
         hidden = [torch.cat(h) for h in hidden]
         last = self.model.logits(torch.stack([h[-1] for h in hidden]))  # [B, V]
-        for s, h, logits in zip(seqs, hidden, last):
-            s.length = len(s.prompt)
-            s.emit([choose(logits, s.params, s.gen)[0]])
-        return hidden
+        return [PrefillOutput(choose(lg, s.params, s.gen)[0], h) for s, h, lg in zip(seqs, hidden, last)]
 
     @torch.inference_mode()
     def fill_draft_window(self, seq: Sequence, hidden: torch.Tensor) -> None:

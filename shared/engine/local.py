@@ -1,0 +1,65 @@
+"""In-process generation: prefill and decode on one KVStore, no NATS, no NIXL.
+
+Used by benchmarks (acceptance length, the aggregated baseline) and tests. It runs exactly the
+steps the disaggregated services run, with the transfer replaced by sharing the store.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from baton.shared.kv.store import KVStore
+from baton.shared.model.model import BatonLM
+
+from .runner import ModelRunner, SpecConfig
+from .sampling import SamplingParams
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class LocalCapacity:
+    num_pages: int = 4096
+    page_size: int = 16
+    num_slots: int = 64
+    mode: str = "ring"
+
+
+class LocalEngine:
+    def __init__(self, model: BatonLM, spec: SpecConfig, capacity: LocalCapacity = LocalCapacity(),
+                 prefill_chunk: int = 256) -> None:
+        self.spec = spec
+        self.store = KVStore(model.cfg, mode=capacity.mode, num_pages=capacity.num_pages,
+                             page_size=capacity.page_size, num_slots=capacity.num_slots,
+                             max_draft_tokens=spec.draft_tokens, draft_enabled=spec.enabled)
+        self.runner = ModelRunner(model, self.store, spec, prefill_chunk)
+        self.window = model.cfg.sliding_window
+
+    def reservation(self, seq: Sequence) -> int:
+        """Positions a request may ever write: prompt, outputs, and one verify block beyond."""
+        return len(seq.prompt) + seq.max_tokens + self.spec.draft_tokens + 1
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Allocate, prefill and hand each sequence to decode as the services would."""
+        for s in seqs:
+            self.store.allocate(s.request_id, self.reservation(s))
+        for s, out in zip(seqs, self.runner.prefill(seqs)):
+            h, state = out.hidden, self.spec.draft_state
+            if self.spec.enabled and state == "transfer":
+                self.runner.fill_draft_window(s, h)
+            tail = h[-self.window:] if state == "rebuild" else h[-1:]
+            self.runner.start_decode(s, out.first_token, tail, state)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 params: SamplingParams = SamplingParams()) -> list[Sequence]:
+        return self.run([Sequence(f"local-{i}", p, max_tokens, params) for i, p in enumerate(prompts)])
+
+    def run(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Generate every sequence to its end (one batch, all admitted at once), then free it."""
+        self.admit(seqs)
+        with torch.inference_mode():
+            while active := [s for s in seqs if s.finish_reason is None]:
+                self.runner.step(active)
+        for s in seqs:
+            self.store.free(s.request_id)
+        return seqs
