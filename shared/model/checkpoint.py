@@ -2,13 +2,14 @@
 model.safetensors (MTP weights under `mtp.`) and tokenizer.json. Never downloads anything."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from baton.shared.kv.manifest import fingerprint as manifest_fingerprint
 
 from .config import ConfigError, ModelConfig
 from .model import BatonLM
@@ -76,7 +77,5 @@ def save_model(model: BatonLM, path: str | Path) -> None:
 def fingerprint(path: str | Path = DEFAULT_MODEL_DIR) -> str:
     """Hash of config.json and the weights file: workers must agree on it to exchange state."""
     path = Path(path)
-    digest = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        digest.update((path / name).read_bytes())
-    return digest.hexdigest()[:16]
+    config = json.loads((path / "config.json").read_text())
+    return manifest_fingerprint(config, (path / "model.safetensors").read_bytes())

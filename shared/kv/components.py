@@ -1,0 +1,80 @@
+"""State components: what one block of KV memory is (identity), its shape (geometry), and where
+it lives (regions, one per layer, for NIXL registration). Plain frozen dataclasses.
+
+Storage layout of a KV component (docs/architecture.md):
+    data: [num_layers, num_items, item_rows, 2, kv_heads, head_dim]
+an item is a page (FULL, SWA: item_rows = page_size) or a ring slot (SWA_RING: item_rows = R);
+the physical row of (item i, offset o) is i * item_rows + o; region l is data[l].
+The aux component is one byte tensor [1, num_slots, item_bytes] (header + hidden rows).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.shared.kv.routing import PoolKey
+
+
+@dataclass(frozen=True)
+class ComponentId:
+    owner: str  # "target" | "draft" | "aux"
+    kind: str  # FULL | SWA | SWA_RING | AUX
+    layer_ids: tuple[int, ...]  # model layer ids held, in region order; () for aux
+
+    @property
+    def key(self) -> PoolKey:
+        return PoolKey(self.owner, self.kind)
+
+    @property
+    def name(self) -> str:
+        return self.key.name
+
+
+@dataclass(frozen=True)
+class Geometry:
+    dtype: str  # element dtype of the rows ("float32", "bfloat16", ...)
+    item_rows: int  # page size (FULL, SWA), ring size R (SWA_RING), hidden rows (AUX)
+    num_items: int  # pages (FULL, SWA) or slots (SWA_RING, AUX)
+    row_bytes: int  # bytes of one row: K+V of one position, or one hidden state
+    header_bytes: int  # bytes before the rows of an item (AUX header; 0 for KV)
+    item_bytes: int  # header_bytes + item_rows * row_bytes, rounded up to 8 for AUX
+    window: int | None  # sliding window W of the layers (None for FULL and AUX)
+    kv_heads: int  # 0 for AUX
+    head_dim: int  # 0 for AUX
+    index_map: str | None = None  # paged SWA: identity of the full->SWA page mapping used
+
+
+@dataclass(frozen=True)
+class Region:
+    addr: int  # base address of the layer's region
+    nbytes: int  # num_items * item_bytes
+    item_bytes: int
+
+
+@dataclass(frozen=True)
+class Component:
+    ident: ComponentId
+    geometry: Geometry
+    regions: tuple[Region, ...]  # one per layer id (aux: one)
+    mem_kind: str = "DRAM"  # NIXL memory kind: "DRAM" | "VRAM"
+    device_id: int = 0
+
+    @property
+    def key(self) -> PoolKey:
+        return self.ident.key
+
+    @property
+    def name(self) -> str:
+        return self.ident.name
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Where one request's state lives in a worker's components (plain data, sent over msgpack)."""
+
+    request_id: str
+    num_tokens: int  # positions reserved at allocate time
+    length: int  # positions extended so far (0..length-1 may be written)
+    floor: int  # first position whose sliding-window rows are still intact
+    slot: int  # ring slot (SWA_RING) and aux row
+    page_ids: tuple[int, ...]  # page table: FULL page of page index i (positions i*ps ..)
+    swa_page_ids: tuple[int, ...] = ()  # paged SWA: SWA page of page index i, -1 if released

@@ -1,0 +1,161 @@
+"""Transfer plans: pair a prefill manifest with a decode manifest, then list the bytes to copy.
+
+`make_plan(prefill, decode)` (seed 003) pairs components by identity (owner/kind), never by
+position, and checks geometry. Decode may register components prefill does not provide
+(decode-only speculative decoding: prefill runs no draft); they are listed in `not_provided`
+and `draft_state` says how decode starts its draft window:
+    "none"      decode has no draft components
+    "transfer"  prefill provides every draft component; the draft state travels
+    "rebuild"   no draft state travels, but the aux hidden tail (W rows) lets decode recompute
+                its sliding draft window from target hidden states
+    "cold"      no draft state and no way to rebuild it: the draft starts with an empty window
+Refused with a PlanError naming the component: different model fingerprints; a prefill
+component decode lacks; different layer ids or item sizes; a missing target or aux component;
+a partial draft; mixed memory kinds on one side together with decode-only speculation.
+
+`plan.descriptors(L, src_alloc, dst_alloc)` returns, for a request of L prompt tokens, the byte
+runs to copy per layer region: all L positions of FULL layers, the window of sliding layers, and
+the aux header with the hidden rows decode needs (`aux_hidden_rows(L)`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.shared.kv.components import Allocation, Component
+from baton.shared.kv.descriptors import (Descriptor, PlanError, alloc_rows, merge_runs,
+                                         needed_positions)
+from baton.shared.kv.manifest import Manifest
+from baton.shared.kv.routing import AUX, AUX_OWNER, DRAFT, FULL
+
+_GEOMETRY_FIELDS = ("dtype", "item_rows", "row_bytes", "header_bytes", "item_bytes", "window",
+                    "kv_heads", "head_dim")
+
+
+@dataclass(frozen=True)
+class Pair:
+    src: Component  # prefill side
+    dst: Component  # decode side
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    prefill_worker: str
+    decode_worker: str
+    fingerprint: str
+    pairs: tuple[Pair, ...]
+    not_provided: tuple[str, ...]  # decode components prefill does not send
+    draft_state: str  # "none" | "transfer" | "rebuild" | "cold"
+
+    def aux_hidden_rows(self, length: int) -> int:
+        """Hidden rows decode needs in the aux row: h_{L-1} to start drafting, W to rebuild."""
+        if self.draft_state == "none":
+            return 0
+        aux = next((p.src for p in self.pairs if p.src.ident.kind == AUX), None)
+        rows = aux.geometry.item_rows if self.draft_state == "rebuild" and aux else 1
+        return min(length, rows)
+
+    def descriptors(self, length: int, src_alloc: Allocation,
+                    dst_alloc: Allocation) -> list[Descriptor]:
+        out: list[Descriptor] = []
+        for pair in self.pairs:
+            g, name = pair.src.geometry, pair.src.name
+            if pair.src.ident.kind == AUX:
+                nbytes = g.header_bytes + self.aux_hidden_rows(length) * g.row_bytes
+                out.append(Descriptor(name, 0, src_alloc.slot * g.item_bytes,
+                                      dst_alloc.slot * g.item_bytes, nbytes))
+                continue
+            positions = needed_positions(pair.src.ident.kind, g.window, length)
+            runs = merge_runs(alloc_rows(pair.src, src_alloc, positions, "prefill"),
+                              alloc_rows(pair.dst, dst_alloc, positions, "decode"))
+            out += [Descriptor(name, layer, s * g.row_bytes, d * g.row_bytes, n * g.row_bytes)
+                    for layer in range(len(pair.src.ident.layer_ids)) for s, d, n in runs]
+        return out
+
+    def addresses(self, descriptors: list[Descriptor]) -> list[tuple[int, int, int]]:
+        """(src_addr, dst_addr, nbytes) of each descriptor, from the manifests' regions."""
+        pairs = {p.src.name: p for p in self.pairs}
+        return [(pairs[d.component_key].src.regions[d.layer_index].addr + d.src_offset,
+                 pairs[d.component_key].dst.regions[d.layer_index].addr + d.dst_offset, d.nbytes)
+                for d in descriptors]
+
+
+def make_plan(prefill: Manifest, decode: Manifest) -> TransferPlan:
+    if prefill.fingerprint != decode.fingerprint:
+        raise PlanError(f"model fingerprint differs: prefill {prefill.worker_id} has "
+                        f"{prefill.fingerprint}, decode {decode.worker_id} has "
+                        f"{decode.fingerprint}")
+    if (prefill.role, decode.role) != ("prefill", "decode"):
+        raise PlanError(f"expected a prefill and a decode manifest, got roles "
+                        f"{prefill.role!r} and {decode.role!r}")
+    src, dst = _by_name(prefill), _by_name(decode)
+    pairs = []
+    for name, comp in src.items():
+        if name not in dst:
+            raise PlanError(f"prefill component {name} has no decode counterpart"
+                            f"{_missing_hint(comp, decode)}")
+        _check_pair(comp, dst[name])
+        pairs.append(Pair(comp, dst[name]))
+    not_provided = tuple(name for name in dst if name not in src)
+    for name in not_provided:
+        if dst[name].ident.owner != DRAFT:
+            raise PlanError(f"decode component {name} is not provided by prefill; only draft "
+                            f"components may be missing (decode-only speculative decoding)")
+    draft = [name for name, comp in dst.items() if comp.ident.owner == DRAFT]
+    if not_provided and len(not_provided) != len(draft):
+        raise PlanError(f"prefill provides only part of the draft state ({', '.join(not_provided)} "
+                        f"missing); a partial draft transfer is not supported")
+    for side, manifest in (("prefill", prefill), ("decode", decode)):
+        kinds = {c.mem_kind for c in manifest.components}
+        if not_provided and len(kinds) > 1:
+            raise PlanError(f"not supported: {side} {manifest.worker_id} mixes memory kinds "
+                            f"{sorted(kinds)} together with decode-only speculative decoding "
+                            f"({', '.join(not_provided)} not provided)")
+    return TransferPlan(prefill_worker=prefill.worker_id, decode_worker=decode.worker_id,
+                        fingerprint=prefill.fingerprint, pairs=tuple(pairs),
+                        not_provided=not_provided, draft_state=_draft_state(draft, not_provided,
+                                                                           dst, src))
+
+
+def _by_name(manifest: Manifest) -> dict[str, Component]:
+    out: dict[str, Component] = {}
+    for comp in manifest.components:
+        if comp.name in out:
+            raise PlanError(f"{manifest.role} {manifest.worker_id} registers {comp.name} twice")
+        out[comp.name] = comp
+    return out
+
+
+def _missing_hint(comp: Component, decode: Manifest) -> str:
+    same_owner = [c.name for c in decode.components if c.ident.owner == comp.ident.owner
+                  and c.ident.kind != FULL and comp.ident.kind != FULL]
+    if same_owner:
+        return (f" (decode registers {', '.join(same_owner)}: prefill and decode use different "
+                f"sliding-window modes)")
+    if comp.ident.owner == DRAFT and not any(c.ident.owner == DRAFT for c in decode.components):
+        return " (decode runs no draft layer)"
+    return ""
+
+
+def _check_pair(src: Component, dst: Component) -> None:
+    if src.ident.layer_ids != dst.ident.layer_ids:
+        raise PlanError(f"component {src.name}: prefill holds layers {list(src.ident.layer_ids)}, "
+                        f"decode holds {list(dst.ident.layer_ids)}")
+    diff = [f"{f} {getattr(src.geometry, f)} != {getattr(dst.geometry, f)}"
+            for f in _GEOMETRY_FIELDS if getattr(src.geometry, f) != getattr(dst.geometry, f)]
+    if len(src.regions) != len(dst.regions):
+        diff.append(f"regions {len(src.regions)} != {len(dst.regions)}")
+    if diff:
+        raise PlanError(f"component {src.name}: prefill and decode geometry differ "
+                        f"(prefill vs decode): {', '.join(diff)}")
+
+
+def _draft_state(draft: list[str], not_provided: tuple[str, ...], dst: dict[str, Component],
+                 src: dict[str, Component]) -> str:
+    if not draft:
+        return "none"
+    if not not_provided:
+        return "transfer"
+    aux = src.get(f"{AUX_OWNER}/{AUX}")
+    sliding = all(dst[n].ident.kind != FULL for n in not_provided)
+    window = max((dst[n].geometry.window or 0) for n in not_provided)
+    return "rebuild" if sliding and aux and aux.geometry.item_rows >= window else "cold"

@@ -1,0 +1,270 @@
+"""KVStore: a worker's KV components (tensors) and the per-request allocators behind them.
+
+Tensors (docs/architecture.md), one per component, routed by `route_layers`:
+    FULL      data: [layers, num_pages,     page_size, 2, kv_heads, head_dim]
+    SWA       data: [layers, num_swa_pages, page_size, 2, kv_heads, head_dim]  (mode "paged")
+    SWA_RING  data: [layers, num_slots,     R,         2, kv_heads, head_dim]  (mode "ring")
+    AUX       data: [1, num_slots, item_bytes] uint8
+with R = span = W + max_draft_tokens. Draft FULL layers share the target's page tables; draft
+sliding layers share the target's slot (ring) or full->SWA mapping (paged).
+
+Request lifecycle (no locking: one owner thread drives a store):
+    allocate(rid, num_tokens)  reserve all pages for num_tokens positions, one slot and (paged)
+                               the SWA pages of a span; all-or-nothing, else OutOfCapacity
+    extend(rid, new_len)       positions length..new_len-1 become writable; never fails within
+                               the reservation. Sliding rows keep positions >= new_len - span:
+                               older ring rows get overwritten, older SWA pages are released
+    rollback(rid, new_len)     rewind the length (rejected drafts); refused if the sliding window
+                               of new_len is no longer intact
+    free(rid)                  return everything
+
+The engine writes K/V of positions [max(old_len, first_resident), new_len) after an extend, at
+`rows(rid, layer, positions)` of `kv_buffer(layer)`. An extend of more than max_draft_tokens + 1
+positions (a prefill chunk) must take in-chunk keys from its own K/V, not from sliding storage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from baton.shared.kv.allocator import IdPool, KVError, OutOfCapacity, require
+from baton.shared.kv.aux import HEADER_BYTES, AuxLayout
+from baton.shared.kv.budget import (aux_layout, dtype_name, kv_row_bytes, sliding_span,
+                                    swa_pages_per_request)
+from baton.shared.kv.components import Allocation, Component, ComponentId, Geometry, Region
+from baton.shared.kv.manifest import Manifest
+from baton.shared.kv.paged_swa import PagedSwa
+from baton.shared.kv.routing import AUX_KEY, FULL, SWA, SWA_RING, PoolKey, route_layers
+from baton.shared.model.config import ModelConfig
+
+
+@dataclass
+class _Request:
+    num_tokens: int
+    pages: list[int]
+    page_table: torch.Tensor  # [len(pages)] long, on the store's device
+    slot: int
+    length: int = 0
+    floor: int = 0  # first position whose sliding rows are intact
+
+
+@dataclass(frozen=True)
+class FreeCapacity:
+    pages: int
+    slots: int
+    swa_pages: int
+
+
+class KVStore:
+    def __init__(self, cfg: ModelConfig, *, mode: str = "ring", num_pages: int, page_size: int,
+                 num_slots: int, max_draft_tokens: int, dtype: torch.dtype = torch.float32,
+                 draft_enabled: bool = True, num_swa_pages: int | None = None,
+                 device: str | torch.device = "cpu"):
+        self.cfg, self.mode, self.dtype = cfg, mode, dtype
+        self.page_size, self.max_draft_tokens = page_size, max_draft_tokens
+        self.device = torch.device(device)
+        self.routing = route_layers(cfg, mode)
+        self.span = sliding_span(cfg, max_draft_tokens)  # ring rows R; resident sliding positions
+        self.keys: tuple[PoolKey, ...] = self.routing.keys(draft_enabled)
+        self.pages = IdPool(num_pages, "pages")
+        self.slots = IdPool(num_slots, "slots")
+        if num_swa_pages is None:
+            num_swa_pages = num_slots * swa_pages_per_request(self.span, page_size)
+        paged = mode == "paged" and any(key.kind == SWA for key in self.keys)
+        self.swa = PagedSwa(num_pages, num_swa_pages, self.device) if paged else None
+        shape = (2, cfg.num_key_value_heads, cfg.head_dim)
+        items = {FULL: (num_pages, page_size), SWA: (num_swa_pages, page_size),
+                 SWA_RING: (num_slots, self.span)}
+        self.data: dict[PoolKey, torch.Tensor] = {
+            key: torch.zeros(len(self.routing.layers_of(key)), *items[key.kind], *shape,
+                             dtype=dtype, device=self.device)
+            for key in self.keys}  # [layers, items, item_rows, 2, kv_heads, head_dim]
+        self.aux_layout: AuxLayout = aux_layout(cfg)
+        self.aux = torch.zeros(1, num_slots, self.aux_layout.item_bytes, dtype=torch.uint8,
+                               device=self.device)  # [1, num_slots, item_bytes]
+        self._layer = {layer_id: (key, i) for key in self.keys
+                       for i, layer_id in enumerate(self.routing.layers_of(key))}
+        self._requests: dict[str, _Request] = {}
+
+    # --- request lifecycle ----------------------------------------------------------------
+    def allocate(self, request_id: str, num_tokens: int) -> Allocation:
+        if request_id in self._requests:
+            raise KVError(f"request {request_id!r} is already allocated")
+        if num_tokens <= 0:
+            raise KVError(f"request {request_id!r}: num_tokens must be positive, got {num_tokens}")
+        n_pages = -(-num_tokens // self.page_size)
+        n_swa = swa_pages_per_request(self.span, self.page_size, num_tokens) if self.swa else 0
+        needs = [(n_pages, self.pages), (1, self.slots)]
+        if self.swa:
+            needs.append((n_swa, self.swa.pool))
+        short = [f"{need} {pool.what} ({pool.num_free} free)"
+                 for need, pool in needs if need > pool.num_free]
+        if short:
+            raise OutOfCapacity(f"cannot allocate request {request_id!r} of {num_tokens} tokens: "
+                                f"needs {', '.join(short)}")
+        pages = self.pages.take(n_pages)
+        req = _Request(num_tokens=num_tokens, pages=pages, slot=self.slots.take(1)[0],
+                       page_table=torch.tensor(pages, dtype=torch.long, device=self.device))
+        if self.swa:
+            self.swa.reserve(request_id, n_swa)
+        self._requests[request_id] = req
+        return self.allocation(request_id)
+
+    def extend(self, request_id: str, new_len: int) -> None:
+        req = self._req(request_id)
+        if not req.length <= new_len <= req.num_tokens:
+            raise KVError(f"request {request_id!r}: cannot extend from {req.length} to {new_len} "
+                          f"(reserved {req.num_tokens} positions)")
+        req.length, req.floor = new_len, max(req.floor, new_len - self.span)
+        self._sync_swa(request_id, req)
+
+    def rollback(self, request_id: str, new_len: int) -> None:
+        req = self._req(request_id)
+        if not 0 <= new_len <= req.length:
+            raise KVError(f"request {request_id!r}: cannot roll back from {req.length} "
+                          f"to {new_len}")
+        needed = max(0, new_len - self.cfg.sliding_window + 1)  # window of the query at new_len
+        if self._has_sliding() and new_len > 0 and needed < req.floor:
+            raise KVError(f"request {request_id!r}: rollback to {new_len} needs sliding positions "
+                          f"{needed}..{new_len - 1}, but positions below {req.floor} are no "
+                          f"longer stored (sliding storage keeps {self.span} positions)")
+        req.length, req.floor = new_len, min(req.floor, new_len)
+        self._sync_swa(request_id, req)
+
+    def free(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise KVError(f"request {request_id!r} is not allocated")
+        if self.swa:
+            self.swa.release(request_id)
+        self.pages.give(req.pages)
+        self.slots.give([req.slot])
+
+    # --- addressing -----------------------------------------------------------------------
+    def rows(self, request_id: str, layer_id: int, positions: torch.Tensor) -> torch.Tensor:
+        """Physical rows (into kv_buffer(layer_id)) of `positions` [n] long -> [n] long."""
+        req = self._req(request_id)
+        key, _ = self._layer_of(layer_id)
+        positions = positions.to(self.device)
+        low = 0 if key.kind == FULL else req.floor
+        if positions.numel() and (int(positions.min()) < low or int(positions.max()) >= req.length):
+            raise KVError(f"request {request_id!r}, layer {layer_id} ({key.name}): positions "
+                          f"must lie in {low}..{req.length - 1}")
+        ps = self.page_size
+        if key.kind == SWA_RING:
+            return req.slot * self.span + positions % self.span
+        page = req.page_table[positions // ps]  # [n] FULL page ids
+        if key.kind == SWA:
+            page = self.swa.full_to_swa[page]  # [n] SWA page ids
+        return page * ps + positions % ps
+
+    def first_resident(self, request_id: str, layer_id: int) -> int:
+        """Lowest position of this layer that `rows` answers for."""
+        key, _ = self._layer_of(layer_id)
+        return 0 if key.kind == FULL else self._req(request_id).floor
+
+    def kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) views of one layer, each [total_rows, kv_heads, head_dim]."""
+        key, index = self._layer_of(layer_id)
+        rows = self.data[key][index].view(-1, 2, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        return rows[:, 0], rows[:, 1]
+
+    def aux_row(self, request_id: str) -> torch.Tensor:
+        """The request's aux row, uint8 [item_bytes] (see aux.pack_aux / unpack_aux)."""
+        return self.aux[0, self._req(request_id).slot]
+
+    def allocation(self, request_id: str) -> Allocation:
+        req = self._req(request_id)
+        swa = self.swa.swa_page_ids(request_id, req.pages) if self.swa else ()
+        return Allocation(request_id=request_id, num_tokens=req.num_tokens, length=req.length,
+                          floor=req.floor, slot=req.slot, page_ids=tuple(req.pages),
+                          swa_page_ids=swa)
+
+    def length(self, request_id: str) -> int:
+        return self._req(request_id).length
+
+    # --- capacity, integrity, manifest --------------------------------------------------------
+    def free_capacity(self) -> FreeCapacity:
+        return FreeCapacity(pages=self.pages.num_free, slots=self.slots.num_free,
+                            swa_pages=self.swa.pool.num_free if self.swa else 0)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.data.values(), self.aux))
+
+    def check_integrity(self) -> None:
+        self.pages.check_integrity()
+        self.slots.check_integrity()
+        pages = [p for r in self._requests.values() for p in r.pages]
+        slots = [r.slot for r in self._requests.values()]
+        require(len(pages) == len(set(pages)) and set(pages) == self.pages.used,
+                "full pages: owned twice, or taken but owned by no request")
+        require(len(slots) == len(set(slots)) and set(slots) == self.slots.used,
+                "slots: owned twice, or taken but owned by no request")
+        for rid, r in self._requests.items():
+            require(0 <= r.floor <= r.length <= r.num_tokens, f"request {rid}: bad lengths")
+            require(len(r.pages) * self.page_size >= r.num_tokens, f"request {rid}: pages short")
+        if self.swa:
+            self.swa.check_integrity({rid: r.pages for rid, r in self._requests.items()})
+            for rid, r in self._requests.items():
+                mapped = [s >= 0 for s in self.swa.swa_page_ids(rid, r.pages)]
+                require(mapped == self._swa_window(r), f"request {rid}: SWA pages != window")
+
+    def manifest(self, worker_id: str, fingerprint: str, role: str = "decode") -> Manifest:
+        mem_kind = "VRAM" if self.device.type == "cuda" else "DRAM"
+        comps = [self._component(key, mem_kind) for key in self.keys]
+        layout = self.aux_layout
+        aux_geometry = Geometry(dtype="float32", item_rows=layout.hidden_rows,
+                                num_items=self.aux.shape[1], row_bytes=layout.row_bytes,
+                                header_bytes=HEADER_BYTES, item_bytes=layout.item_bytes,
+                                window=None, kv_heads=0, head_dim=0)
+        comps.append(Component(ComponentId(AUX_KEY.owner, AUX_KEY.kind, ()), aux_geometry,
+                               (self._region(self.aux[0], layout.item_bytes),), mem_kind,
+                               self.device.index or 0))
+        return Manifest(worker_id=worker_id, role=role, fingerprint=fingerprint, mode=self.mode,
+                        components=tuple(comps))
+
+    # --- internals ------------------------------------------------------------------------------
+    def _component(self, key: PoolKey, mem_kind: str) -> Component:
+        data = self.data[key]  # [layers, items, item_rows, 2, kv_heads, head_dim]
+        row = kv_row_bytes(self.cfg, self.dtype)
+        geometry = Geometry(dtype=dtype_name(self.dtype), item_rows=data.shape[2],
+                            num_items=data.shape[1], row_bytes=row, header_bytes=0,
+                            item_bytes=data.shape[2] * row,
+                            window=None if key.kind == FULL else self.cfg.sliding_window,
+                            kv_heads=self.cfg.num_key_value_heads, head_dim=self.cfg.head_dim,
+                            index_map=self.swa.index_map_id if key.kind == SWA else None)
+        regions = tuple(self._region(layer, geometry.item_bytes) for layer in data)
+        return Component(ComponentId(key.owner, key.kind, self.routing.layers_of(key)), geometry,
+                         regions, mem_kind, self.device.index or 0)
+
+    @staticmethod
+    def _region(layer: torch.Tensor, item_bytes: int) -> Region:
+        return Region(addr=layer.data_ptr(), nbytes=layer.numel() * layer.element_size(),
+                      item_bytes=item_bytes)
+
+    def _swa_window(self, req: _Request) -> list[bool]:
+        """Which page indices of the request are resident in SWA pages: floor..length-1."""
+        lo, hi = req.floor // self.page_size, -(-req.length // self.page_size)
+        return [lo <= i < hi for i in range(len(req.pages))]
+
+    def _sync_swa(self, request_id: str, req: _Request) -> None:
+        if self.swa:
+            window = self._swa_window(req)
+            self.swa.remap(request_id, [p for p, keep in zip(req.pages, window) if keep])
+
+    def _has_sliding(self) -> bool:
+        return any(key.kind != FULL for key in self.keys)
+
+    def _req(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KVError(f"request {request_id!r} is not allocated")
+        return req
+
+    def _layer_of(self, layer_id: int) -> tuple[PoolKey, int]:
+        if layer_id not in self._layer:
+            where = (f"it routes to {self.routing.by_layer[layer_id].name}, and the draft is "
+                     f"disabled" if 0 <= layer_id < len(self.routing.by_layer) else "no such layer")
+            raise KVError(f"layer {layer_id} is not stored here: {where}")
+        return self._layer[layer_id]
