@@ -1,0 +1,196 @@
+"""Internal messages between router, kv-registry, prefill and decode (documented in proto/README.md).
+
+Manifests, allocations and transfer plans belong to the KV library: they travel as opaque plain
+maps and are validated there, not here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import bad_request
+from .fields import Count, Millis, RequestId, Seed, Subject, TokenId, WorkerId
+from .limits import Limits
+from .public import FinishReason, SpecStats, Timing, check_sampling
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ack:
+    """An empty success reply."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: Seed | None = None
+    stop_token_ids: list[TokenId] = field(default_factory=list)
+
+    def validate(self, limits: Limits) -> None:
+        check_sampling(self.temperature, self.top_p)
+
+
+# --- registry ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Capacity:
+    total_pages: Count
+    page_size: Count  # token positions per page
+    total_slots: Count  # requests resident at once (ring slots / batch rows)
+    max_seq_len: Count  # prompt + completion tokens per request
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerRegistration:
+    worker_id: WorkerId
+    role: Role
+    manifest: dict  # the KV library's manifest, plain data
+    nixl_metadata: bytes  # NIXL agent metadata (opaque; never unpickled)
+    capacity: Capacity
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegisterReply:
+    lease_ms: Count  # heartbeat at least this often or be dropped
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerLoad:
+    free_pages: Count
+    free_slots: Count
+    active_requests: Count
+    queued_prompt_tokens: Count
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat:
+    worker_id: WorkerId
+    load: WorkerLoad
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeartbeatReply:
+    registered: bool  # False: the lease expired or was never granted; register again
+
+
+@dataclass(frozen=True, kw_only=True)
+class Deregistration:
+    worker_id: WorkerId
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LookupRequest:
+    """Live workers, filtered by role and/or id; no filter returns all."""
+
+    role: Role | None = None
+    worker_id: WorkerId | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    registration: WorkerRegistration
+    load: WorkerLoad
+
+
+@dataclass(frozen=True, kw_only=True)
+class LookupReply:
+    workers: list[WorkerInfo]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    prefill_worker_id: WorkerId
+    decode_worker_id: WorkerId
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanReply:
+    prefill_worker_id: WorkerId
+    decode_worker_id: WorkerId
+    plan: dict  # the KV library's transfer plan, plain data
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEvent:
+    kind: Literal["joined", "left"]
+    worker_id: WorkerId
+    role: Role
+    reason: str = ""  # for "left": deregistered / lease expired
+
+
+# --- decode ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class ReserveRequest:
+    request_id: RequestId
+    token_ids: list[TokenId]  # the prompt
+    max_tokens: Count
+    sampling: SamplingParams
+    stream_subject: Subject  # where decode publishes this request's TokenChunks
+    prefill_worker_id: WorkerId  # the only NIXL peer whose WRITEs this reservation accepts
+    components: list[str]  # component names ("owner/kind") the transfer plan writes
+    draft_state: Literal["none", "transfer", "rebuild", "cold"]  # the plan's: how the draft window starts
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReserveReply:
+    request_id: RequestId
+    decode_worker_id: WorkerId
+    allocation: dict  # the KV library's allocation record (pages, ring slots), plain data
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReleaseRequest:
+    """Abort a reserved or running request on decode and free its pages and slots."""
+
+    request_id: RequestId
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenChunk:
+    """Decode -> router on the request's stream subject; `seq` counts chunks from 0 so the
+    router notices a lost message. A failure is published there as an ErrorReply instead."""
+
+    request_id: RequestId
+    seq: Count
+    token_ids: list[TokenId]  # new tokens since the previous chunk
+    finished: bool = False
+    finish_reason: FinishReason | None = None  # set when finished
+    spec: SpecStats | None = None  # set when finished
+    timing: Timing | None = None  # set when finished; measured on decode from reserve
+
+    def validate(self, limits: Limits) -> None:
+        summary = (self.finish_reason, self.spec, self.timing)
+        if self.finished and None in summary:
+            raise bad_request("a finished chunk needs 'finish_reason', 'spec' and 'timing'")
+        if not self.finished and summary != (None, None, None):
+            raise bad_request("summary fields are only allowed on the finished chunk")
+
+
+# --- prefill ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillDispatch:
+    """Router -> prefill: run the prompt and WRITE its state into decode's reserved slots."""
+
+    request_id: RequestId
+    token_ids: list[TokenId]
+    sampling: SamplingParams
+    decode_worker_id: WorkerId
+    decode_allocation: dict  # ReserveReply.allocation
+    transfer_plan: dict  # PlanReply.plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillDone:
+    """The reply to PrefillDispatch once the transfer is complete and decode was notified."""
+
+    request_id: RequestId
+    first_token_id: TokenId
+    transfer_bytes: Count
+    prefill_ms: Millis
+    transfer_ms: Millis

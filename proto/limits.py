@@ -1,0 +1,29 @@
+"""Size and range limits applied when decoding messages. One `Limits` per process, configurable."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    # --- wire: bounds on what the msgpack decoder will build from untrusted bytes ---
+    max_message_bytes: int = 1 << 20  # NATS' default max_payload; a larger server setting may raise it
+    max_str_bytes: int = 1 << 20  # one string (a long text prompt)
+    max_bin_bytes: int = 64 << 10  # one byte string (NIXL agent metadata is ~450 B)
+    max_array_len: int = 1 << 18  # one array (a 262k-token prompt)
+    max_map_len: int = 1 << 12  # one map (manifests, plans, allocations)
+    max_depth: int = 16  # nesting of opaque maps/arrays (manifests, plans, allocations)
+    # --- generate: what one request may ask for ---
+    max_tokens: int = 4096  # completion tokens per request
+    max_prompt_tokens: int = 1 << 17
+    max_prompt_chars: int = 1 << 19
+    max_stop: int = 16  # entries in `stop` and in `stop_token_ids`
+    max_stop_chars: int = 256  # length of one stop string
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if type(value) is not int or value < 1:
+                raise ValueError(f"Limits.{name} must be a positive integer, got {value!r}")
+
+
+DEFAULT_LIMITS = Limits()

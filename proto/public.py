@@ -1,0 +1,128 @@
+"""Public messages: `baton.v1.generate` and `baton.v1.cancel` (documented in proto/README.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import BatonError, ErrorCode, bad_request
+from .fields import Count, Millis, RequestId, Seed, TokenId
+from .limits import Limits
+
+FinishReason = Literal["length", "stop", "abort", "error"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    prompt: str | None = None  # exactly one of prompt / token_ids
+    token_ids: list[TokenId] | None = None
+    max_tokens: int = 128  # 1 .. Limits.max_tokens
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 0 < top_p <= 1
+    seed: Seed | None = None
+    stream: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[TokenId] = field(default_factory=list)
+    request_id: RequestId | None = None  # chosen by the client so it can cancel; else the router picks
+
+    def validate(self, limits: Limits) -> None:
+        if (self.prompt is None) == (self.token_ids is None):
+            raise bad_request("exactly one of 'prompt' and 'token_ids' must be given")
+        prompt_size = len(self.prompt if self.prompt is not None else self.token_ids)
+        if prompt_size == 0:
+            raise bad_request(f"field '{'prompt' if self.prompt is not None else 'token_ids'}': must not be empty")
+        if self.prompt is not None and prompt_size > limits.max_prompt_chars:
+            raise BatonError(ErrorCode.TOO_LARGE,
+                             f"field 'prompt': {prompt_size} characters; the limit is {limits.max_prompt_chars}")
+        if self.token_ids is not None and prompt_size > limits.max_prompt_tokens:
+            raise BatonError(ErrorCode.TOO_LARGE,
+                             f"field 'token_ids': {prompt_size} tokens; the limit is {limits.max_prompt_tokens}")
+        if not 1 <= self.max_tokens <= limits.max_tokens:
+            raise bad_request(f"field 'max_tokens': must be between 1 and {limits.max_tokens}, got {self.max_tokens}")
+        check_sampling(self.temperature, self.top_p)
+        if len(self.stop) > limits.max_stop or len(self.stop_token_ids) > limits.max_stop:
+            raise bad_request(f"fields 'stop' and 'stop_token_ids': at most {limits.max_stop} entries each")
+        for i, text in enumerate(self.stop):
+            if not 1 <= len(text) <= limits.max_stop_chars:
+                raise bad_request(f"field 'stop[{i}]': must have 1 to {limits.max_stop_chars} characters")
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    if temperature < 0:
+        raise bad_request(f"field 'temperature': must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise bad_request(f"field 'top_p': must be in (0, 1], got {top_p}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Usage:
+    prompt_tokens: Count
+    completion_tokens: Count
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpecStats:
+    """Speculative decoding counters; all zero when speculation is off."""
+
+    verify_steps: Count = 0  # target forwards that verified drafts
+    drafted: Count = 0  # draft tokens proposed
+    accepted: Count = 0  # draft tokens accepted
+
+    def validate(self, limits: Limits) -> None:
+        if self.accepted > self.drafted:
+            raise bad_request(f"field 'accepted': {self.accepted} exceeds drafted ({self.drafted})")
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per verify step (accepted drafts + the target's own token)."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timing:
+    ttft_ms: Millis  # request received -> first token
+    total_ms: Millis  # request received -> last token
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateReply:
+    """The one reply to a non-streaming generate."""
+
+    request_id: RequestId
+    token_ids: list[TokenId]
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    spec: SpecStats
+    timing: Timing
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamChunk:
+    """One message of a streaming generate; the last has finished=True and the summary fields."""
+
+    request_id: RequestId
+    token_ids: list[TokenId]  # new tokens since the previous chunk
+    text: str  # new text since the previous chunk
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    spec: SpecStats | None = None
+    timing: Timing | None = None
+
+    def validate(self, limits: Limits) -> None:
+        summary = (self.finish_reason, self.usage, self.spec, self.timing)
+        if self.finished and None in summary:
+            raise bad_request("a finished chunk needs 'finish_reason', 'usage', 'spec' and 'timing'")
+        if not self.finished and summary != (None, None, None, None):
+            raise bad_request("summary fields are only allowed on the finished chunk")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelRequest:
+    request_id: RequestId
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelReply:
+    request_id: RequestId
+    cancelled: bool  # False: unknown or already finished (not an error)

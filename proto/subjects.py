@@ -1,0 +1,49 @@
+"""Every NATS subject Baton uses. Public subjects live under `baton.v1`, internal ones under
+`baton.internal.v1`, so server permissions can give clients the first and services both."""
+from __future__ import annotations
+
+import re
+
+from .fields import ID_PATTERN
+
+PUBLIC = "baton.v1"
+INTERNAL = "baton.internal.v1"
+
+# --- public (request/reply, router queue group) ---
+GENERATE = f"{PUBLIC}.generate"
+CANCEL = f"{PUBLIC}.cancel"
+
+# --- between routers (every router, no queue group): the owner of a request acts on a cancel ---
+ROUTER_CANCEL = f"{INTERNAL}.router.cancel"
+
+# --- kv-registry (request/reply, registry queue group) ---
+REGISTER = f"{INTERNAL}.registry.register"
+HEARTBEAT = f"{INTERNAL}.registry.heartbeat"
+DEREGISTER = f"{INTERNAL}.registry.deregister"
+LOOKUP = f"{INTERNAL}.registry.lookup"
+PLAN = f"{INTERNAL}.registry.plan"
+
+# --- published by the registry when a worker joins or leaves ---
+WORKER_EVENTS = f"{INTERNAL}.workers.events"
+
+# --- queue groups ---
+ROUTER_QUEUE = "baton-router"
+REGISTRY_QUEUE = "baton-registry"
+
+
+def decode_reserve(worker_id: str) -> str:
+    return f"{INTERNAL}.decode.{_checked(worker_id)}.reserve"
+
+
+def decode_release(worker_id: str) -> str:
+    return f"{INTERNAL}.decode.{_checked(worker_id)}.release"
+
+
+def prefill_dispatch(worker_id: str) -> str:
+    return f"{INTERNAL}.prefill.{_checked(worker_id)}.dispatch"
+
+
+def _checked(worker_id: str) -> str:
+    if not isinstance(worker_id, str) or not re.fullmatch(ID_PATTERN, worker_id):
+        raise ValueError(f"worker id {worker_id!r} must match {ID_PATTERN}")
+    return worker_id

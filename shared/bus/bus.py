@@ -1,0 +1,157 @@
+"""Bus: the typed NATS client every Baton service uses; no service hand-rolls msgpack or subjects."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from typing import Any, TypeVar
+
+import nats
+from nats.aio.client import Client
+
+from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.limits import DEFAULT_LIMITS, Limits
+
+from .endpoint import Endpoint, Handler
+from .stream import ReplyStream
+from .wire import decode_reply_from, encode_for, nats_errors_mapped
+
+log = logging.getLogger(__name__)
+M = TypeVar("M")
+
+
+class Bus:
+    """A NATS connection plus the codec: typed request/reply, publish, streams and endpoints.
+
+    Use `await Bus.connect(...)`, then `await bus.close()` (or `async with`), which stops the
+    endpoints, lets their handlers finish within a grace period, closes open streams and drains.
+    """
+
+    def __init__(self, nc: Client, limits: Limits = DEFAULT_LIMITS):
+        self.limits = limits
+        self.endpoints: list[Endpoint] = []
+        self._nc = nc
+        self._streams: set[ReplyStream] = set()
+
+    @classmethod
+    async def connect(cls, url: str | list[str], name: str, *,
+                      user: str | None = None, password: str | None = None, token: str | None = None,
+                      creds_file: str | None = None, tls_ca_file: str | None = None,
+                      tls_cert_file: str | None = None, tls_key_file: str | None = None,
+                      connect_timeout_s: float = 5.0, reconnect_wait_s: float = 0.5,
+                      max_reconnect_attempts: int = -1, drain_timeout_s: float = 5.0,
+                      limits: Limits = DEFAULT_LIMITS) -> "Bus":
+        """Connect within `connect_timeout_s` or raise BatonError(unavailable). Once connected,
+        lost connections are retried every `reconnect_wait_s` (-1 attempts: forever)."""
+        tls = None
+        if tls_ca_file or tls_cert_file:
+            tls = ssl.create_default_context(cafile=tls_ca_file)
+            if tls_cert_file:
+                tls.load_cert_chain(tls_cert_file, tls_key_file)
+        nc = nats.NATS()
+
+        async def disconnected() -> None:
+            if not nc.is_closed:
+                log.warning("%s: NATS connection lost; reconnecting", name)
+
+        async def reconnected() -> None:
+            log.info("%s: NATS reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+
+        options = dict(
+            servers=url, name=name, user=user, password=password, token=token,
+            user_credentials=creds_file, tls=tls, connect_timeout=min(connect_timeout_s, 2.0),
+            reconnect_time_wait=reconnect_wait_s, max_reconnect_attempts=max_reconnect_attempts,
+            drain_timeout=drain_timeout_s, error_cb=_log_error, disconnected_cb=disconnected,
+            reconnected_cb=reconnected)
+        try:
+            await asyncio.wait_for(nc.connect(**options), connect_timeout_s)
+        except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+            await nc.close()
+            reason = nc.last_error or exc
+            raise BatonError(ErrorCode.UNAVAILABLE, f"cannot connect to NATS at {url} within "
+                             f"{connect_timeout_s:g} s: {type(reason).__name__} {reason}".rstrip()) from None
+        return cls(nc, limits)
+
+    @property
+    def connection(self) -> Client:
+        """The nats-py client, for what the bus does not wrap (JetStream key-value)."""
+        return self._nc
+
+    async def request(self, subject: str, message: Any, reply_cls: type[M], timeout: float = 5.0) -> M:
+        """One request, one reply of type `reply_cls`; an error reply raises its BatonError."""
+        data = encode_for(subject, message, self._nc.max_payload)
+        with nats_errors_mapped(subject, timeout):
+            msg = await self._nc.request(subject, data, timeout=timeout)
+        return decode_reply_from(subject, msg.data, reply_cls, self.limits)
+
+    async def publish(self, subject: str, message: Any) -> None:
+        data = encode_for(subject, message, self._nc.max_payload)
+        with nats_errors_mapped(subject):
+            await self._nc.publish(subject, data)
+
+    def stream_request(self, subject: str, message: Any, chunk_cls: type[M],
+                       timeout_per_message: float = 30.0) -> ReplyStream[M]:
+        """Send a request whose replies are several `chunk_cls` messages, the last `finished`.
+
+        async with bus.stream_request(GENERATE, request, StreamChunk) as chunks:
+            async for chunk in chunks: ...
+        """
+        data = encode_for(subject, message, self._nc.max_payload)
+        return self._track(ReplyStream(self._nc, chunk_cls, timeout_per_message, self.limits,
+                                       (subject, data), self._streams.discard))
+
+    async def inbox(self, chunk_cls: type[M], timeout_per_message: float = 30.0) -> ReplyStream[M]:
+        """A subscribed inbox (`stream.subject`) to hand to another service that will publish
+        `chunk_cls` messages there, e.g. decode's TokenChunks."""
+        stream = self._track(ReplyStream(self._nc, chunk_cls, timeout_per_message, self.limits,
+                                         None, self._streams.discard))
+        await stream.start()
+        await self._sync_with_server(stream.subject)  # the server knows the inbox before others use it
+        return stream
+
+    async def serve(self, subject: str, request_cls: type, handler: Handler, *,
+                    queue: str | None = None, max_in_flight: int = 256) -> Endpoint:
+        """Serve `subject`: `handler(request)` returns the reply (None: no reply) or is an async
+        generator yielding several (a streaming reply). See Endpoint for error handling."""
+        endpoint = Endpoint(self._nc, subject, request_cls, handler, queue=queue,
+                            limits=self.limits, max_in_flight=max_in_flight)
+        await endpoint.start()
+        self.endpoints.append(endpoint)
+        await self._sync_with_server(subject)  # serving, as far as the server knows, on return
+        return endpoint
+
+    async def close(self, grace_s: float = 5.0) -> None:
+        """Stop endpoints (handlers get `grace_s` to finish), close streams, drain, disconnect."""
+        await asyncio.gather(*(endpoint.stop(grace_s) for endpoint in self.endpoints))
+        self.endpoints.clear()
+        for stream in list(self._streams):
+            await stream.close()
+        if self._nc.is_closed:
+            return
+        try:
+            await self._nc.drain()
+        except Exception as exc:  # drain timed out or the connection broke: close regardless
+            log.warning("NATS drain failed: %s", exc)
+            await self._nc.close()
+
+    async def __aenter__(self) -> "Bus":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def _sync_with_server(self, subject: str, timeout: float = 5.0) -> None:
+        """Return once the server has processed everything sent so far. nats-py 2.16's flush()
+        writes its PING ahead of commands still buffered, so the first PONG can come back before
+        the server saw a new SUB; the second PING leaves after the buffer has been written."""
+        with nats_errors_mapped(subject, timeout):
+            await self._nc.flush(timeout)
+            await self._nc.flush(timeout)
+
+    def _track(self, stream: ReplyStream[M]) -> ReplyStream[M]:
+        self._streams.add(stream)
+        return stream
+
+
+async def _log_error(exc: Exception) -> None:
+    log.warning("NATS error: %s %s", type(exc).__name__, exc)

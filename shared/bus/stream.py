@@ -1,0 +1,94 @@
+"""ReplyStream: several messages on one inbox subject, ending at `finished=True` or an error."""
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+from typing import Any, Callable, Generic, TypeVar
+
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription
+
+from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.limits import Limits
+
+from .wire import decode_reply_from, nats_errors_mapped
+
+log = logging.getLogger(__name__)
+M = TypeVar("M")
+
+
+class ReplyStream(Generic[M]):
+    """Async iterator of `cls` messages arriving on `self.subject`.
+
+    The last message is the first with `finished` true; an error reply raises its BatonError;
+    `timeout_per_message` seconds of silence raise timeout. The subscription is removed when the
+    stream ends, on `close()`, on leaving `async with`, or when the bus closes.
+    """
+
+    def __init__(self, nc: Client, cls: type[M], timeout_per_message: float, limits: Limits,
+                 request: tuple[str, bytes] | None, on_close: Callable[["ReplyStream"], None]):
+        if "finished" not in {f.name for f in fields(cls)}:
+            raise TypeError(f"{cls.__name__} has no 'finished' field to end a stream")
+        self.subject = nc.new_inbox()
+        self._nc, self._cls, self._limits = nc, cls, limits
+        self._timeout = timeout_per_message
+        self._request = request  # (subject, data) published with reply=self.subject once subscribed
+        self._on_close = on_close
+        self._sub: Subscription | None = None
+        self._done = False
+
+    async def start(self) -> None:
+        """Subscribe, then publish the request (if any); idempotent."""
+        if self._sub is not None or self._done:
+            return
+        where = self._request[0] if self._request else self.subject
+        try:
+            with nats_errors_mapped(where):
+                self._sub = await self._nc.subscribe(self.subject)
+                if self._request:
+                    await self._nc.publish(self._request[0], self._request[1], reply=self.subject)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __anext__(self) -> M:
+        if self._done:
+            raise StopAsyncIteration
+        await self.start()
+        try:
+            item = await self._next()
+        except BaseException:
+            await self.close()
+            raise
+        if item.finished:
+            await self.close()
+        return item
+
+    async def _next(self) -> M:
+        where = self._request[0] if self._request else self.subject
+        with nats_errors_mapped(where, self._timeout):
+            msg = await self._sub.next_msg(timeout=self._timeout)
+        if msg.headers and msg.headers.get("Status") == "503":
+            raise BatonError(ErrorCode.UNAVAILABLE, f"no service is listening on {where}")
+        return decode_reply_from(where, msg.data, self._cls, self._limits)
+
+    async def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._on_close(self)
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception as exc:  # the connection may already be closed
+                log.debug("unsubscribe %s: %s", self.subject, exc)
+
+    def __aiter__(self) -> "ReplyStream[M]":
+        return self
+
+    async def __aenter__(self) -> "ReplyStream[M]":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()

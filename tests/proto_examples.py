@@ -1,0 +1,68 @@
+"""One valid example of every message, for round-trip and fuzz tests."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import is_dataclass
+
+from baton.proto import errors, internal, public
+from baton.proto.errors import ErrorCode, ErrorDetail, ErrorReply
+
+USAGE = public.Usage(prompt_tokens=6, completion_tokens=3)
+SPEC = public.SpecStats(verify_steps=2, drafted=6, accepted=1)
+TIMING = public.Timing(ttft_ms=12.5, total_ms=31.0)
+SAMPLING = internal.SamplingParams(temperature=0.7, top_p=0.9, seed=2**64 - 1, stop_token_ids=[2])
+CAPACITY = internal.Capacity(total_pages=4096, page_size=16, total_slots=64, max_seq_len=4096)
+LOAD = internal.WorkerLoad(free_pages=3900, free_slots=60, active_requests=4, queued_prompt_tokens=0)
+REGISTRATION = internal.WorkerRegistration(
+    worker_id="decode-0", role="decode",
+    manifest={"components": [{"name": "target_full", "kind": "FULL", "layers": [2, 5], "item_bytes": 8192}],
+              "page_size": 16, "blob": b"\x00\x01", "ratio": 0.5, "none": None},
+    nixl_metadata=bytes(range(256)) * 2, capacity=CAPACITY)
+
+EXAMPLES = [
+    public.GenerateRequest(prompt="To be, or not to be", max_tokens=32, stop=["\n\n"], request_id="r-1"),
+    public.GenerateRequest(token_ids=[1, 2, 2**31 - 1], temperature=1.0, top_p=0.5, seed=7, stream=True,
+                           stop_token_ids=[0]),
+    public.GenerateReply(request_id="r-1", token_ids=[412, 9, 77], text=" that is the", finish_reason="length",
+                         usage=USAGE, spec=SPEC, timing=TIMING),
+    public.StreamChunk(request_id="r-1", token_ids=[412], text=" that"),
+    public.StreamChunk(request_id="r-1", token_ids=[], text="", finished=True, finish_reason="stop",
+                       usage=USAGE, spec=public.SpecStats(), timing=TIMING),
+    public.CancelRequest(request_id="r-1"),
+    public.CancelReply(request_id="r-1", cancelled=False),
+    ErrorReply(error=ErrorDetail(code=ErrorCode.BUSY, message="cluster full")),
+    internal.Ack(),
+    REGISTRATION,
+    internal.RegisterReply(lease_ms=3000),
+    internal.Heartbeat(worker_id="decode-0", load=LOAD),
+    internal.HeartbeatReply(registered=True),
+    internal.Deregistration(worker_id="decode-0", reason="shutdown"),
+    internal.LookupRequest(role="prefill"),
+    internal.LookupRequest(worker_id="decode-0"),
+    internal.LookupReply(workers=[internal.WorkerInfo(registration=REGISTRATION, load=LOAD)]),
+    internal.PlanRequest(prefill_worker_id="prefill-0", decode_worker_id="decode-0"),
+    internal.PlanReply(prefill_worker_id="prefill-0", decode_worker_id="decode-0",
+                       plan={"pairs": [["target_full", "target_full"]], "not_provided": ["draft_swa"]}),
+    internal.WorkerEvent(kind="left", worker_id="decode-0", role="decode", reason="lease expired"),
+    internal.ReserveRequest(request_id="r-1", token_ids=[5, 6, 7], max_tokens=32, sampling=SAMPLING,
+                            stream_subject="_INBOX.abc.def", prefill_worker_id="prefill-0",
+                            components=["target/FULL", "target/SWA_RING", "draft/SWA_RING", "aux/AUX"],
+                            draft_state="transfer"),
+    internal.ReserveReply(request_id="r-1", decode_worker_id="decode-0", allocation={"pages": [1, 2], "slot": 3}),
+    internal.ReleaseRequest(request_id="r-1", reason="client cancelled"),
+    internal.TokenChunk(request_id="r-1", seq=0, token_ids=[412, 9]),
+    internal.TokenChunk(request_id="r-1", seq=1, token_ids=[77], finished=True, finish_reason="length",
+                        spec=SPEC, timing=TIMING),
+    internal.PrefillDispatch(request_id="r-1", token_ids=[5, 6, 7], sampling=SAMPLING, decode_worker_id="decode-0",
+                             decode_allocation={"pages": [1, 2], "slot": 3}, transfer_plan={"pairs": []}),
+    internal.PrefillDone(request_id="r-1", first_token_id=412, transfer_bytes=1 << 20, prefill_ms=8.0,
+                         transfer_ms=0.4),
+]
+
+
+def message_classes():
+    """Every message dataclass defined in proto/ (nested ones included)."""
+    for module in (public, internal, errors):
+        for _, cls in inspect.getmembers(module, is_dataclass):
+            if cls.__module__ == module.__name__:
+                yield cls

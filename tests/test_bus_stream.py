@@ -1,0 +1,149 @@
+"""Streaming replies and inboxes against a real nats-server, and shutdown with requests in flight."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.internal import Ack, ReleaseRequest, TokenChunk
+from baton.proto.public import CancelReply, CancelRequest, GenerateRequest, SpecStats, StreamChunk, Timing, Usage
+from baton.shared.bus import Bus
+
+pytestmark = pytest.mark.integration
+
+SUBJECT = "test.stream.generate"
+
+
+def run(scenario, url):
+    asyncio.run(asyncio.wait_for(scenario(url), 10))
+
+
+def chunk(i: int) -> StreamChunk:
+    return StreamChunk(request_id="r1", token_ids=[i], text=f"<{i}>")
+
+
+def last_chunk() -> StreamChunk:
+    return StreamChunk(request_id="r1", token_ids=[], text="", finished=True, finish_reason="length",
+                       usage=Usage(prompt_tokens=1, completion_tokens=3), spec=SpecStats(),
+                       timing=Timing(ttft_ms=1.0, total_ms=2.0))
+
+
+async def three_tokens(request: GenerateRequest):
+    for i in range(3):
+        yield chunk(i)
+    yield last_chunk()
+
+
+def test_streaming_replies_arrive_in_order_and_end_at_finished(nats_server):
+    async def scenario(url):
+        async with await Bus.connect(url, "test") as bus:
+            await bus.serve(SUBJECT, GenerateRequest, three_tokens)
+            received = [c async for c in bus.stream_request(SUBJECT, GenerateRequest(prompt="x", stream=True),
+                                                            StreamChunk, timeout_per_message=2)]
+            assert received == [chunk(0), chunk(1), chunk(2), last_chunk()]
+            assert bus._streams == set()  # the inbox subscription is gone
+    run(scenario, nats_server)
+
+
+def test_error_mid_stream_ends_it_with_the_error(nats_server):
+    async def scenario(url):
+        async with await Bus.connect(url, "test") as bus:
+            async def fails_after_one(request):
+                yield chunk(0)
+                raise BatonError(ErrorCode.INTERNAL, "decode worker lost")
+
+            await bus.serve(SUBJECT, GenerateRequest, fails_after_one)
+            received = []
+            with pytest.raises(BatonError) as raised:
+                async with bus.stream_request(SUBJECT, GenerateRequest(prompt="x"), StreamChunk, 2) as stream:
+                    async for item in stream:
+                        received.append(item)
+            assert received == [chunk(0)] and raised.value.message == "decode worker lost"
+    run(scenario, nats_server)
+
+
+def test_stream_errors_map_like_requests(nats_server):
+    async def scenario(url):
+        async with await Bus.connect(url, "test") as bus:
+            with pytest.raises(BatonError) as raised:
+                async for _ in bus.stream_request("test.stream.nobody", GenerateRequest(prompt="x"), StreamChunk, 2):
+                    pass
+            assert raised.value.code is ErrorCode.UNAVAILABLE
+
+            async def stalls(request):
+                yield chunk(0)
+                await asyncio.sleep(5)
+
+            await bus.serve(SUBJECT, GenerateRequest, stalls)
+            stream = bus.stream_request(SUBJECT, GenerateRequest(prompt="x"), StreamChunk, timeout_per_message=0.2)
+            assert await stream.__anext__() == chunk(0)
+            with pytest.raises(BatonError) as raised:
+                await stream.__anext__()
+            assert raised.value.code is ErrorCode.TIMEOUT
+
+            with pytest.raises(BatonError) as raised:
+                bus.stream_request(SUBJECT, GenerateRequest(prompt="x" * (2 << 20)), StreamChunk)
+            assert raised.value.code is ErrorCode.TOO_LARGE
+            await bus.close(grace_s=0.1)
+    run(scenario, nats_server)
+
+
+def test_inbox_receives_chunks_published_by_another_service(nats_server):
+    async def scenario(url):
+        async with await Bus.connect(url, "router") as router, await Bus.connect(url, "decode") as decode:
+            tokens = await router.inbox(TokenChunk, timeout_per_message=2)
+            for seq, ids in enumerate([[5, 6], [7]]):
+                await decode.publish(tokens.subject, TokenChunk(request_id="r1", seq=seq, token_ids=ids))
+            await decode.publish(tokens.subject, TokenChunk(
+                request_id="r1", seq=2, token_ids=[8], finished=True, finish_reason="stop",
+                spec=SpecStats(verify_steps=1, drafted=3, accepted=2), timing=Timing(ttft_ms=1, total_ms=3)))
+            received = [c async for c in tokens]
+            assert [c.seq for c in received] == [0, 1, 2] and received[-1].finished
+    run(scenario, nats_server)
+
+
+def test_closing_a_bus_answers_requests_in_flight_with_unavailable(nats_server):
+    async def scenario(url):
+        async with await Bus.connect(url, "client") as client:
+            service = await Bus.connect(url, "service")
+            started = asyncio.Event()
+
+            async def hangs(request):
+                started.set()
+                await asyncio.Event().wait()
+
+            async def stream_hangs(request):
+                yield chunk(0)
+                await asyncio.Event().wait()
+
+            await service.serve("test.stream.hangs", CancelRequest, hangs)
+            await service.serve(SUBJECT, GenerateRequest, stream_hangs)
+            call = asyncio.create_task(client.request("test.stream.hangs", CancelRequest(request_id="r"),
+                                                      CancelReply, timeout=5))
+            stream = client.stream_request(SUBJECT, GenerateRequest(prompt="x"), StreamChunk, 5)
+            assert await stream.__anext__() == chunk(0)
+            await started.wait()
+            await service.close(grace_s=0.1)
+            for pending in (call, stream.__anext__()):
+                with pytest.raises(BatonError) as raised:
+                    await pending
+                assert raised.value.code is ErrorCode.UNAVAILABLE and "shutting down" in raised.value.message
+    run(scenario, nats_server)
+
+
+def test_graceful_close_lets_handlers_finish(nats_server):
+    async def scenario(url):
+        async with await Bus.connect(url, "client") as client:
+            service = await Bus.connect(url, "service")
+
+            async def slowish(request):
+                await asyncio.sleep(0.2)
+                return Ack()
+
+            await service.serve("test.stream.slowish", ReleaseRequest, slowish)
+            call = asyncio.create_task(client.request("test.stream.slowish", ReleaseRequest(request_id="r"), Ack, 5))
+            await asyncio.sleep(0.05)
+            await service.close(grace_s=2)
+            assert await call == Ack()
+    run(scenario, nats_server)
