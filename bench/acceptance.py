@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
@@ -18,15 +17,8 @@ import torch
 from baton.shared.engine.local import LocalEngine
 from baton.shared.engine.runner import SpecConfig
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
+from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
-
-HELDOUT = Path(__file__).resolve().parent / "heldout.txt"
-
-
-def heldout_prompts(tok: TextTokenizer, n: int, length: int, seed: int = 0) -> list[list[int]]:
-    ids = tok.encode(HELDOUT.read_text())
-    rng = random.Random(seed)
-    return [ids[s:s + length] for s in (rng.randrange(0, len(ids) - length) for _ in range(n))]
 
 
 def summarize(seqs, k: int) -> dict:

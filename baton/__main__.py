@@ -1,0 +1,5 @@
+import sys
+
+from baton.cli import main
+
+sys.exit(main())

@@ -1,0 +1,135 @@
+"""`baton up`: an embedded nats-server plus every service, each its own OS process.
+
+Children run as `python -m baton serve <role> ...`, so a process listing shows which is which.
+Ready means a request would succeed: the registry knows every worker and a warm-up request was
+answered; then one line with the NATS URL is printed. SIGINT/SIGTERM stop the children (router
+first, registry last), each with SIGTERM and a grace period, then the server.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from baton.proto import subjects
+from baton.proto.errors import BatonError
+from baton.proto.public import GenerateReply, GenerateRequest
+from baton.shared.bus import Bus
+from baton.shared.bus.server import NatsServer
+
+STATE_FILE = Path(os.environ.get("BATON_STATE", Path.home() / ".cache" / "baton" / "up.json"))
+
+
+@dataclass
+class Cluster:
+    nats_url: str
+    children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    server: NatsServer | None = None
+
+    def spawn(self, role: str, args: list[str], log_dir: Path) -> None:
+        log = open(log_dir / f"{role}-{len(self.children)}.log", "wb")
+        cmd = [sys.executable, "-m", "baton", "serve", role, "--nats-url", self.nats_url, *args]
+        self.children.append((role, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                     start_new_session=True)))
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(role, p.returncode) for role, p in self.children if p.poll() is not None]
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        order = {"router": 0, "http": 0, "prefill": 1, "decode": 1, "registry": 2}
+        for rank in sorted(set(order.values())):
+            group = [p for role, p in self.children if order.get(role, 1) == rank and p.poll() is None]
+            for p in group:
+                p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for p in group:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        if self.server is not None:
+            self.server.stop()
+
+
+async def wait_ready(url: str, cluster: Cluster, prefill: int, decode: int, timeout_s: float) -> float:
+    """Until a warm-up request succeeds; returns seconds waited. Raises if a child died."""
+    from baton.proto.internal import LookupReply, LookupRequest
+    started = time.monotonic()
+    bus = await Bus.connect(url, "baton-up")
+    try:
+        while True:
+            if cluster.dead():
+                raise RuntimeError(f"a service exited during start-up: {cluster.dead()}")
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"services not ready within {timeout_s:g} s")
+            try:
+                reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply, timeout=1.0)
+                roles = [w.registration.role for w in reply.workers]
+                if roles.count("prefill") >= prefill and roles.count("decode") >= decode:
+                    await bus.request(subjects.GENERATE, GenerateRequest(token_ids=[0], max_tokens=2),
+                                      GenerateReply, timeout=30.0)
+                    return time.monotonic() - started
+            except BatonError:
+                pass
+            await asyncio.sleep(0.2)
+    finally:
+        await bus.close()
+
+
+def start_cluster(args, worker_args: list[str]) -> Cluster:
+    """The NATS server (unless --nats-url) and every service process; returns at once."""
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = None
+    if getattr(args, "nats_url", None):
+        url = args.nats_url
+    else:
+        server = NatsServer(port=getattr(args, "nats_port", None), store_dir=str(log_dir / "jetstream")).start()
+        url = server.url
+    cluster = Cluster(url, server=server)
+    model = ["--model", str(args.model)]
+    cluster.spawn("registry", model, log_dir)
+    for _ in range(args.prefill):
+        cluster.spawn("prefill", model + worker_args, log_dir)
+    for _ in range(args.decode):
+        cluster.spawn("decode", model + worker_args, log_dir)
+    cluster.spawn("router", model, log_dir)
+    return cluster
+
+
+def run_up(args, worker_args: list[str]) -> int:
+    t0 = time.monotonic()
+    stop_now: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop_now.append(1))
+    cluster = None
+    try:
+        cluster = start_cluster(args, worker_args)
+        asyncio.run(wait_ready(cluster.nats_url, cluster, args.prefill, args.decode, args.ready_timeout))
+        STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
+        STATE_FILE.write_text(json.dumps({"nats_url": cluster.nats_url, "pid": os.getpid()}))
+        print(f"baton ready: {cluster.nats_url} ({args.prefill} prefill, {args.decode} decode; "
+              f"started in {time.monotonic() - t0:.1f} s, logs in {args.log_dir})", flush=True)
+        while not stop_now:
+            if cluster.dead():
+                print(f"baton: a service exited: {cluster.dead()}; see {args.log_dir}", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.5)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"baton up failed: {exc}; see the logs in {args.log_dir}", file=sys.stderr)
+        return 1
+    finally:
+        print("baton: shutting down", file=sys.stderr, flush=True)
+        if cluster is not None:
+            cluster.stop()
+        if STATE_FILE.exists() and json.loads(STATE_FILE.read_text()).get("pid") == os.getpid():
+            STATE_FILE.unlink()

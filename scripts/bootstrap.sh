@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install Baton with everything its tests need.
+# torch goes first, pinned to the CPU build (2.13.0): any other spec would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q -e ".[transfer,test]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import torch, nixl_cu12, nats, baton; print('baton: environment ready (torch', torch.__version__ + ')')"

@@ -1,0 +1,248 @@
+"""decode: reserve slots for a request, wait until prefill's WRITEs have landed (NIXL
+notifications + the tag in the aux row), then generate with continuous batching: every step
+advances all active requests in one batched forward (draft -> verify -> accept with speculation)
+and streams each request's new tokens to the router.
+
+Slot lifetime: reserved at `reserve`; freed when a request finishes, or, for a request that never
+started, only when its transfer is known to be over (arrivals RELEASE event), so a late WRITE can
+never land in a reused slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from baton.proto import subjects
+from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.internal import Ack, ReleaseRequest, ReserveReply, ReserveRequest, TokenChunk, WorkerLoad
+from baton.proto.public import SpecStats, Timing
+from baton.shared.bus import Bus
+from baton.shared.engine.runner import ModelRunner, SpecConfig
+from baton.shared.engine.sampling import SamplingParams
+from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
+from baton.shared.kv.allocator import KVError
+from baton.shared.kv.aux import unpack_aux
+from baton.shared.kv.codec import to_plain
+from baton.shared.kv.store import KVStore
+from baton.shared.model.checkpoint import fingerprint, load_model
+from baton.shared.transfer.agent import TransferAgent
+from baton.shared.transfer.arrivals import EventKind
+
+from ..router.flow import request_tag
+from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration,
+                      regions_of)
+
+log = logging.getLogger("baton.decode")
+
+
+@dataclass
+class Request:
+    seq: Sequence
+    stream: str  # subject for TokenChunks
+    draft_state: str  # how this request's draft window starts: transfer | rebuild | cold | none
+    reserved_at: float
+    chunks: int = 0
+    first_token_at: float | None = None
+    abort: str = ""  # set by release: leave the batch at the next step boundary
+    started: bool = False
+    failed: bool = field(default=False)
+
+
+class DecodeWorker:
+    def __init__(self, bus: Bus, config: WorkerConfig) -> None:
+        self.bus, self.config = bus, config
+        self.model = load_model(config.model)
+        self.spec = SpecConfig(config.spec, config.draft_tokens, config.draft_state)
+        self.store = KVStore(self.model.cfg, mode=config.mode, num_pages=config.num_pages,
+                             page_size=config.page_size, num_slots=config.num_slots,
+                             max_draft_tokens=config.draft_tokens, draft_enabled=config.spec)
+        self.runner = ModelRunner(self.model, self.store, self.spec, config.prefill_chunk)
+        self.manifest = self.store.manifest(config.worker_id, fingerprint(config.model), role="decode")
+        self.lookup = peer_lookup(bus)
+        self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=self.lookup)
+        self.peers: set[str] = set()
+        self.engine = EngineThread()
+        self.requests: dict[int, Request] = {}  # by tag
+        self.wake = asyncio.Event()
+        self.membership = Membership(bus, registration(config, self.manifest, self.agent.metadata(),
+                                                       self.model.cfg.max_position_embeddings), self.load)
+
+    def load(self) -> WorkerLoad:
+        free = self.store.free_capacity()
+        return WorkerLoad(free_pages=free.pages, free_slots=free.slots, active_requests=len(self.requests),
+                          queued_prompt_tokens=0)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with self.agent:
+            tasks = [asyncio.create_task(self._arrivals(), name="arrivals"),
+                     asyncio.create_task(self._step_loop(), name="decode-steps")]
+            await self.bus.serve(subjects.decode_reserve(self.config.worker_id), ReserveRequest, self.reserve)
+            await self.bus.serve(subjects.decode_release(self.config.worker_id), ReleaseRequest, self.release)
+            await on_worker_left(self.bus, self._peer_left)
+            await self.membership.start()
+            await stop.wait()
+            log.info("stopping: no new reservations; %d requests in flight", len(self.requests))
+            await self.membership.stop()
+            for endpoint in self.bus.endpoints:
+                if endpoint.subject.endswith(".reserve"):
+                    await endpoint.stop(0)
+            await self._drain(self.config.transfer_deadline_s)
+            for task in tasks:
+                task.cancel()
+            await self.bus.close()
+        self.engine.close()
+
+    async def _drain(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for req in list(self.requests.values()):
+            req.abort = req.abort or "decode worker shutting down"
+
+    async def _peer_left(self, worker_id: str) -> None:
+        self.peers.discard(worker_id)
+        await self.agent.remove_peer(worker_id)  # requests it was writing are released
+
+    # --- control --------------------------------------------------------------------------
+    async def reserve(self, msg: ReserveRequest) -> ReserveReply:
+        s = msg.sampling
+        seed = None if s.seed is None else (s.seed ^ DECODE_SEED_SALT) % 2**64
+        seq = Sequence(msg.request_id, list(msg.token_ids), msg.max_tokens,
+                       SamplingParams(s.temperature, s.top_p, seed), frozenset(s.stop_token_ids))
+        tag = request_tag(msg.request_id)
+        if tag in self.requests:
+            raise BatonError(ErrorCode.BAD_REQUEST, f"request {msg.request_id} is already reserved here")
+        positions = len(seq.prompt) + seq.max_tokens + self.config.draft_tokens + 1
+        await self._ensure_peer(msg.prefill_worker_id)
+        try:
+            alloc = await self.engine.call(self._allocate, msg.request_id, positions, len(seq.prompt))
+        except KVError as exc:
+            raise BatonError(ErrorCode.BUSY, f"decode {self.config.worker_id}: {exc}") from None
+        draft_state = self._draft_state(msg.draft_state)
+        self.requests[tag] = Request(seq, msg.stream_subject, draft_state, time.monotonic())
+        self.agent.arrivals.expect(tag, msg.prefill_worker_id, [c for c in msg.components if c != "aux/AUX"],
+                                   alloc.slot * self.store.aux_layout.item_bytes, self.config.transfer_deadline_s)
+        return ReserveReply(request_id=msg.request_id, decode_worker_id=self.config.worker_id,
+                            allocation=to_plain(alloc))
+
+    def _allocate(self, request_id: str, positions: int, prompt_len: int):
+        """Engine thread: reserve every position the request may write; the prompt's positions
+        are the ones prefill will fill, so they count as written (the plan checks this)."""
+        self.store.allocate(request_id, positions)
+        self.store.extend(request_id, prompt_len)
+        return self.store.allocation(request_id)
+
+    async def _ensure_peer(self, worker_id: str) -> None:
+        """Load the prefill peer's validated registry entry, so aborts can reach it."""
+        if worker_id in self.peers:
+            return
+        info = await self.lookup(worker_id)
+        if info is None:
+            raise BatonError(ErrorCode.UNAVAILABLE, f"prefill worker {worker_id} is not registered")
+        await self.agent.add_peer(info.name, info.metadata, info.regions)
+        self.peers.add(worker_id)
+
+    def _draft_state(self, from_plan: str) -> str:
+        if not self.spec.enabled:
+            return "none"
+        return "cold" if self.spec.draft_state == "cold" or from_plan == "cold" else from_plan
+
+    async def release(self, msg: ReleaseRequest) -> Ack:
+        tag = request_tag(msg.request_id)
+        req = self.requests.get(tag)
+        if req is None:
+            return Ack()
+        req.abort = msg.reason or "released"
+        if not req.started:
+            self.agent.arrivals.abort(tag, req.abort)  # slots come back at the RELEASE event
+        self.wake.set()
+        return Ack()
+
+    # --- arrivals -------------------------------------------------------------------------
+    async def _arrivals(self) -> None:
+        while True:
+            event = await self.agent.arrivals.events.get()
+            req = self.requests.get(event.tag)
+            if req is None:
+                continue
+            if event.kind is EventKind.ARRIVED:
+                if req.abort:
+                    await self._finish(event.tag, req, "abort")
+                    continue
+                await self.engine.call(self._start, req)
+                req.started, req.first_token_at = True, time.monotonic()
+                await self._publish(req, req.seq.output[:])
+                self.wake.set()
+            elif event.kind is EventKind.FAILED:
+                req.failed = True
+                await self._publish_error(req, BatonError(ErrorCode.INTERNAL, f"state transfer for "
+                                                          f"{req.seq.request_id} failed: {event.reason}"))
+            elif event.kind is EventKind.RELEASE:
+                await self.engine.call(self.store.free, req.seq.request_id)
+                self.requests.pop(event.tag, None)
+
+    def _start(self, req: Request) -> None:
+        """Engine thread: read the aux row prefill wrote and hand the request to the step loop."""
+        seq = req.seq
+        L = len(seq.prompt)
+        rows = min(L, self.store.aux_layout.hidden_rows) if req.draft_state == "rebuild" else 1
+        record = unpack_aux(self.store.aux_row(seq.request_id), self.store.aux_layout, max_rows=rows)
+        if self.spec.enabled:
+            self.runner.start_decode(seq, record.first_token, record.hidden, req.draft_state)
+        else:
+            self.runner.start_decode(seq, record.first_token, record.hidden[-1:], "cold")
+
+    # --- decode loop ----------------------------------------------------------------------
+    async def _step_loop(self) -> None:
+        while True:
+            for tag, req in list(self.requests.items()):
+                if req.started and (req.abort or req.seq.finish_reason):
+                    await self._finish(tag, req, req.seq.finish_reason or "abort")
+            batch = [(t, r) for t, r in self.requests.items() if r.started and not r.abort][:self.config.max_batch]
+            if not batch:
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            emitted = await self.engine.call(self.runner.step, [r.seq for _, r in batch])
+            for (tag, req), tokens in zip(batch, emitted):
+                if tokens and not req.abort:
+                    await self._publish(req, tokens)
+
+    async def _finish(self, tag: int, req: Request, reason: str) -> None:
+        await self._publish(req, [], finish_reason=reason)
+        await self.engine.call(self.store.free, req.seq.request_id)
+        self.requests.pop(tag, None)
+
+    async def _publish(self, req: Request, tokens: list[int], finish_reason: str | None = None) -> None:
+        summary = {}
+        if finish_reason is not None:
+            now = time.monotonic()
+            first = req.first_token_at or now
+            summary = dict(finish_reason=finish_reason, spec=SpecStats(**req.seq.stats.as_dict()),
+                           timing=Timing(ttft_ms=(first - req.reserved_at) * 1000, total_ms=(now - req.reserved_at) * 1000))
+        chunk = TokenChunk(request_id=req.seq.request_id, seq=req.chunks, token_ids=tokens,
+                           finished=finish_reason is not None, **summary)
+        req.chunks += 1
+        try:
+            await self.bus.publish(req.stream, chunk)
+        except BatonError as exc:
+            log.warning("cannot stream %s: %s", req.seq.request_id, exc)
+
+    async def _publish_error(self, req: Request, error: BatonError) -> None:
+        try:
+            await self.bus.publish(req.stream, error.to_reply())
+        except BatonError as exc:
+            log.warning("cannot send error for %s: %s", req.seq.request_id, exc)
+
+
+async def serve(stop: asyncio.Event, bus: Bus, config: WorkerConfig) -> None:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    await DecodeWorker(bus, config).run(stop)

@@ -1,0 +1,94 @@
+"""The router's view of the cluster: live workers and transfer plans, cached from the registry.
+
+Refreshed in the background and on worker events; when the registry is briefly down the last
+view keeps serving (requests keep flowing through a registry restart).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from baton.proto import subjects
+from baton.proto.codec import decode
+from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.internal import LookupReply, LookupRequest, PlanReply, PlanRequest, WorkerEvent, WorkerInfo
+from baton.shared.bus import Bus
+
+log = logging.getLogger("baton.router.directory")
+
+
+class Directory:
+    def __init__(self, bus: Bus, refresh_s: float = 0.5) -> None:
+        self.bus, self.refresh_s = bus, refresh_s
+        self.workers: dict[str, WorkerInfo] = {}
+        self._plans: dict[tuple[str, str], dict] = {}
+        self._outstanding: dict[str, int] = {}  # prompt tokens this router has in flight per prefill
+        self._refreshed_at = 0.0
+        self._changed = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.bus.connection.subscribe(subjects.WORKER_EVENTS, cb=self._on_event)
+        await self.refresh()
+
+    async def refresh(self) -> None:
+        try:
+            reply = await self.bus.request(subjects.LOOKUP, LookupRequest(), LookupReply, timeout=2.0)
+        except BatonError as exc:
+            log.warning("registry lookup failed, keeping the last view (%d workers): %s", len(self.workers), exc)
+            return
+        fresh = {w.registration.worker_id: w for w in reply.workers}
+        for gone in set(self.workers) - set(fresh):
+            self._forget(gone)
+        self.workers, self._refreshed_at = fresh, time.monotonic()
+        self._changed.set()
+
+    async def refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    def of_role(self, role: str) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.registration.role == role]
+
+    def outstanding(self, worker_id: str) -> int:
+        return self._outstanding.get(worker_id, 0)
+
+    def add_outstanding(self, worker_id: str, tokens: int) -> None:
+        self._outstanding[worker_id] = self._outstanding.get(worker_id, 0) + tokens
+
+    async def plan(self, prefill_id: str, decode_id: str) -> dict:
+        key = (prefill_id, decode_id)
+        if key not in self._plans:
+            reply = await self.bus.request(subjects.PLAN, PlanRequest(prefill_worker_id=prefill_id,
+                                                                      decode_worker_id=decode_id),
+                                           PlanReply, timeout=2.0)
+            self._plans[key] = reply.plan
+        return self._plans[key]
+
+    async def wait_for(self, prefill: int, decode: int, timeout_s: float) -> None:
+        """Until at least this many workers of each role are known (start-up)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.of_role("prefill")) < prefill or len(self.of_role("decode")) < decode:
+            if time.monotonic() > deadline:
+                raise BatonError(ErrorCode.UNAVAILABLE, f"fewer than {prefill} prefill / {decode} decode workers")
+            self._changed.clear()
+            await self.refresh()
+            try:
+                await asyncio.wait_for(self._changed.wait(), self.refresh_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def _forget(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
+        self._plans = {k: v for k, v in self._plans.items() if worker_id not in k}
+
+    async def _on_event(self, msg) -> None:
+        try:
+            event = decode(msg.data, WorkerEvent)
+        except BatonError as exc:
+            log.warning("ignored malformed worker event: %s", exc)
+            return
+        log.info("worker %s %s (%s)", event.worker_id, event.kind, event.reason)
+        self._forget(event.worker_id)  # a left worker, or a re-registered one with new memory
+        await self.refresh()

@@ -1,0 +1,184 @@
+"""One request's path through the cluster, as the router drives it:
+
+    pick a decode and a prefill worker -> reserve decode slots (decode streams TokenChunks to our
+    inbox) -> dispatch prefill with the plan and the reservation -> relay tokens as they come.
+
+Everything the flow waits for (tokens, the prefill reply, a cancel, the deadline) arrives on one
+queue, so whichever comes first decides, and every exit releases what was reserved.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from baton.proto import subjects
+from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.internal import (Ack, PrefillDispatch, PrefillDone, ReleaseRequest, ReserveReply,
+                                  ReserveRequest, SamplingParams, TokenChunk)
+from baton.shared.bus import Bus
+
+from .directory import Directory
+
+log = logging.getLogger("baton.router.flow")
+
+
+@dataclass(frozen=True)
+class RouterTimeouts:
+    request_s: float = 600.0  # whole request, admission to last token
+    first_token_s: float = 120.0  # admission to first token (prefill + transfer)
+    idle_s: float = 60.0  # silence between two chunks
+    control_s: float = 5.0  # one control round trip (reserve, release)
+
+
+@dataclass
+class Outcome:
+    """What ended a flow: `finish_reason` or an error."""
+    finish_reason: str | None = None
+    error: BatonError | None = None
+    spec: dict = field(default_factory=lambda: {"verify_steps": 0, "drafted": 0, "accepted": 0})
+
+
+def request_tag(request_id: str) -> int:
+    """The u64 tag NIXL notifications and the aux row carry for a request."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") >> 1
+
+
+def plan_components(plan: dict) -> list[str]:
+    """Names ("owner/kind") of the components a plan transfers, read from its plain form."""
+    return [f'{p["src"]["ident"]["owner"]}/{p["src"]["ident"]["kind"]}' for p in plan["pairs"]]
+
+
+class Flow:
+    def __init__(self, bus: Bus, directory: Directory, timeouts: RouterTimeouts, request_id: str,
+                 token_ids: list[int], max_tokens: int, sampling: SamplingParams) -> None:
+        self.bus, self.directory, self.timeouts = bus, directory, timeouts
+        self.request_id, self.token_ids, self.max_tokens, self.sampling = request_id, token_ids, max_tokens, sampling
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.decode_id: str | None = None
+        self.prefill_id: str | None = None
+        self.outcome = Outcome()
+        self._tasks: list[asyncio.Task] = []
+        self._released = False
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        self.events.put_nowait(("cancel", reason))
+
+    async def tokens(self) -> AsyncIterator[list[int]]:
+        """Yield token ids as decode produces them; `self.outcome` says how it ended."""
+        try:
+            await self._admit()
+            async for ids in self._relay():
+                yield ids
+        except BatonError as exc:
+            self.outcome.error = exc
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            if self.outcome.finish_reason not in ("length", "stop"):
+                await self._release(self.outcome.finish_reason or "error")
+
+    # --- admission ------------------------------------------------------------------------
+    async def _admit(self) -> None:
+        self.inbox = await self.bus.inbox(TokenChunk, timeout_per_message=self.timeouts.request_s)
+        self._tasks.append(asyncio.create_task(self._read_chunks(), name=f"chunks {self.request_id}"))
+        prefill = self._pick_prefill()
+        reservation, plan = await self._reserve(prefill)
+        self._tasks.append(asyncio.create_task(self._prefill(prefill, reservation, plan),
+                                               name=f"prefill {self.request_id}"))
+
+    def _pick_prefill(self) -> str:
+        workers = self.directory.of_role("prefill")
+        if not workers:
+            raise BatonError(ErrorCode.UNAVAILABLE, "no prefill worker is registered")
+        best = min(workers, key=lambda w: (w.load.queued_prompt_tokens + self.directory.outstanding(w.registration.worker_id)))
+        return best.registration.worker_id
+
+    async def _reserve(self, prefill_id: str) -> tuple[ReserveReply, dict]:
+        decodes = sorted(self.directory.of_role("decode"),
+                         key=lambda w: (w.load.free_slots == 0, -w.load.free_pages))
+        if not decodes:
+            raise BatonError(ErrorCode.UNAVAILABLE, "no decode worker is registered")
+        last: BatonError | None = None
+        for worker in decodes:
+            decode_id = worker.registration.worker_id
+            try:
+                plan = await self.directory.plan(prefill_id, decode_id)
+                reply = await self.bus.request(subjects.decode_reserve(decode_id), ReserveRequest(
+                    request_id=self.request_id, token_ids=self.token_ids, max_tokens=self.max_tokens,
+                    sampling=self.sampling, stream_subject=self.inbox.subject, prefill_worker_id=prefill_id,
+                    components=plan_components(plan),
+                    draft_state=plan["draft_state"]), ReserveReply, timeout=self.timeouts.control_s)
+            except BatonError as exc:
+                last = exc
+                if exc.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
+                    continue
+                raise
+            self.decode_id, self.prefill_id = decode_id, prefill_id
+            return reply, plan
+        raise last if last.code != ErrorCode.UNAVAILABLE else BatonError(ErrorCode.BUSY, f"no decode capacity: {last.message}")
+
+    async def _prefill(self, prefill_id: str, reservation: ReserveReply, plan: dict) -> None:
+        self.directory.add_outstanding(prefill_id, len(self.token_ids))
+        try:
+            done = await self.bus.request(subjects.prefill_dispatch(prefill_id), PrefillDispatch(
+                request_id=self.request_id, token_ids=self.token_ids, sampling=self.sampling,
+                decode_worker_id=reservation.decode_worker_id, decode_allocation=reservation.allocation,
+                transfer_plan=plan), PrefillDone, timeout=self.timeouts.first_token_s)
+            self.events.put_nowait(("prefilled", done))
+        except BatonError as exc:
+            self.events.put_nowait(("error", exc))
+        finally:
+            self.directory.add_outstanding(prefill_id, -len(self.token_ids))
+
+    async def _read_chunks(self) -> None:
+        try:
+            async for chunk in self.inbox:
+                self.events.put_nowait(("chunk", chunk))
+        except BatonError as exc:
+            self.events.put_nowait(("error", exc))
+
+    # --- relay ----------------------------------------------------------------------------
+    async def _relay(self) -> AsyncIterator[list[int]]:
+        started, got_first, expected_seq = time.monotonic(), False, 0
+        while True:
+            limit = self.timeouts.idle_s if got_first else self.timeouts.first_token_s
+            remaining = min(limit, self.timeouts.request_s - (time.monotonic() - started))
+            try:
+                kind, value = await asyncio.wait_for(self.events.get(), max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                raise BatonError(ErrorCode.TIMEOUT, f"request {self.request_id}: no token within "
+                                 f"{limit if remaining > 0 else self.timeouts.request_s:g} s") from None
+            if kind == "cancel":
+                self.outcome.finish_reason = "abort"
+                return
+            if kind == "error":
+                raise value
+            if kind == "chunk":
+                if value.seq != expected_seq:
+                    raise BatonError(ErrorCode.INTERNAL, f"request {self.request_id}: token chunk "
+                                     f"{expected_seq} lost (got {value.seq})")
+                expected_seq += 1
+                got_first = got_first or bool(value.token_ids)
+                if value.token_ids:
+                    yield value.token_ids
+                if value.finished:
+                    self.outcome.finish_reason = value.finish_reason
+                    self.outcome.spec = {"verify_steps": value.spec.verify_steps, "drafted": value.spec.drafted,
+                                         "accepted": value.spec.accepted}
+                    self._released = value.finish_reason != "error"
+                    return
+
+    async def _release(self, reason: str) -> None:
+        if self._released or self.decode_id is None:
+            return
+        self._released = True
+        try:
+            await self.bus.request(subjects.decode_release(self.decode_id),
+                                   ReleaseRequest(request_id=self.request_id, reason=reason), Ack,
+                                   timeout=self.timeouts.control_s)
+        except BatonError as exc:
+            log.warning("release of %s on %s failed: %s", self.request_id, self.decode_id, exc)

@@ -1,0 +1,144 @@
+"""router: the public entry. Serves `baton.v1.generate` and `baton.v1.cancel` (queue group),
+turns text into tokens and back, enforces limits, and drives each request's Flow.
+Never imports torch: the tokenizer is the `tokenizers` library."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from baton.proto import subjects
+from baton.proto.errors import BatonError, ErrorCode, bad_request
+from baton.proto.internal import SamplingParams
+from baton.proto.public import (CancelReply, CancelRequest, GenerateReply, GenerateRequest, SpecStats,
+                                StreamChunk, Timing, Usage)
+from baton.shared.bus import Bus
+from baton.shared.model.config import ModelConfig
+from baton.shared.model.tokenizer import TextTokenizer
+
+from .directory import Directory
+from .flow import Flow, RouterTimeouts
+from .text import TextStream
+
+log = logging.getLogger("baton.router")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    timeouts: RouterTimeouts = RouterTimeouts()
+    max_in_flight: int = 1024  # requests this router drives at once; beyond: busy
+
+
+class Router:
+    def __init__(self, bus: Bus, model: ModelConfig, tokenizer: TextTokenizer, config: RouterConfig) -> None:
+        self.bus, self.model, self.tokenizer, self.config = bus, model, tokenizer, config
+        self.directory = Directory(bus)
+        self.flows: dict[str, Flow] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        await self.directory.start()
+        self._tasks.append(asyncio.create_task(self.directory.refresh_forever(), name="directory"))
+        await self.bus.serve(subjects.GENERATE, GenerateRequest, self.generate, queue=subjects.ROUTER_QUEUE,
+                             max_in_flight=self.config.max_in_flight)
+        await self.bus.serve(subjects.CANCEL, CancelRequest, self.cancel, queue=subjects.ROUTER_QUEUE)
+        await self.bus.serve(subjects.ROUTER_CANCEL, CancelRequest, self.cancel_owned)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for flow in self.flows.values():
+            flow.cancel("router shutting down")
+
+    # --- handlers -------------------------------------------------------------------------
+    def generate(self, req: GenerateRequest):
+        """A streaming request gets an async generator of chunks, else a coroutine of one reply."""
+        prepared = self._prepare(req)
+        return self._stream(*prepared) if req.stream else self._unary(*prepared)
+
+    async def cancel(self, req: CancelRequest) -> CancelReply:
+        """Any router may receive the cancel; the one driving the request acts on it."""
+        if self.cancel_owned_now(req.request_id):
+            return CancelReply(request_id=req.request_id, cancelled=True)
+        try:
+            return await self.bus.request(subjects.ROUTER_CANCEL, req, CancelReply, timeout=1.0)
+        except BatonError:
+            return CancelReply(request_id=req.request_id, cancelled=False)
+
+    async def cancel_owned(self, req: CancelRequest) -> CancelReply | None:
+        return CancelReply(request_id=req.request_id, cancelled=True) if self.cancel_owned_now(req.request_id) else None
+
+    def cancel_owned_now(self, request_id: str) -> bool:
+        flow = self.flows.get(request_id)
+        if flow is not None:
+            flow.cancel("cancelled by the client")
+        return flow is not None
+
+    # --- generation -----------------------------------------------------------------------
+    def _prepare(self, req: GenerateRequest) -> tuple[GenerateRequest, str, list[int]]:
+        ids = self.tokenizer.encode(req.prompt) if req.prompt is not None else list(req.token_ids)
+        if req.prompt is not None and not ids:
+            raise bad_request("field 'prompt': encodes to no tokens")
+        vocab = self.model.vocab_size
+        bad = next((t for t in ids + list(req.stop_token_ids) if t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        context = self.model.max_position_embeddings
+        if len(ids) + req.max_tokens > context:
+            raise BatonError(ErrorCode.TOO_LARGE, f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) "
+                             f"exceeds the model's context of {context} tokens")
+        request_id = req.request_id or uuid.uuid4().hex
+        if request_id in self.flows:
+            raise bad_request(f"request id {request_id} is already in flight")
+        return req, request_id, ids
+
+    async def _run(self, req: GenerateRequest, request_id: str, ids: list[int]) -> AsyncIterator[tuple]:
+        """Yields (token_ids, text) deltas, then one final ("done", summary fields)."""
+        started = time.monotonic()
+        stop_ids = list(req.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            stop_ids.append(self.tokenizer.eos_token_id)
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                  stop_token_ids=stop_ids)
+        flow = Flow(self.bus, self.directory, self.config.timeouts, request_id, ids, req.max_tokens, sampling)
+        text, n_tokens, ttft = TextStream(self.tokenizer, req.stop), 0, None
+        self.flows[request_id] = flow
+        try:
+            async for new_ids in flow.tokens():
+                ttft = ttft if ttft is not None else (time.monotonic() - started) * 1000
+                ids_out, delta = text.add(new_ids)
+                n_tokens += len(ids_out)
+                if ids_out or delta:
+                    yield ids_out, delta
+                if text.stopped:
+                    flow.cancel("stop string")
+        finally:
+            self.flows.pop(request_id, None)
+        outcome = flow.outcome
+        if outcome.error is not None:
+            raise outcome.error
+        reason = "stop" if text.stopped else outcome.finish_reason
+        total = (time.monotonic() - started) * 1000
+        yield [], text.finish()
+        yield "done", dict(finish_reason=reason, usage=Usage(prompt_tokens=len(ids), completion_tokens=n_tokens),
+                           spec=SpecStats(**outcome.spec),
+                           timing=Timing(ttft_ms=ttft if ttft is not None else total, total_ms=total))
+
+    async def _unary(self, req: GenerateRequest, request_id: str, ids: list[int]) -> GenerateReply:
+        tokens, pieces = [], []
+        async for new_ids, value in self._run(req, request_id, ids):
+            if new_ids == "done":
+                return GenerateReply(request_id=request_id, token_ids=tokens, text="".join(pieces), **value)
+            tokens += new_ids
+            pieces.append(value)
+        raise BatonError(ErrorCode.INTERNAL, f"request {request_id} ended without a summary")
+
+    async def _stream(self, req: GenerateRequest, request_id: str, ids: list[int]) -> AsyncIterator[StreamChunk]:
+        async for new_ids, value in self._run(req, request_id, ids):
+            if new_ids == "done":
+                yield StreamChunk(request_id=request_id, token_ids=[], text="", finished=True, **value)
+            elif new_ids or value:
+                yield StreamChunk(request_id=request_id, token_ids=new_ids, text=value)

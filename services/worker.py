@@ -1,0 +1,143 @@
+"""What prefill and decode workers share: the model settings, registry membership under a lease,
+NIXL peers from validated manifests, and the single engine thread that owns model and KV store."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from baton.proto import subjects
+from baton.proto.codec import decode
+from baton.proto.errors import BatonError
+from baton.proto.internal import (Ack, Capacity, Deregistration, Heartbeat, HeartbeatReply, LookupReply,
+                                  LookupRequest, RegisterReply, WorkerEvent, WorkerLoad, WorkerRegistration)
+from baton.shared.bus import Bus
+from baton.shared.kv.codec import from_plain, to_plain
+from baton.shared.kv.manifest import Manifest
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared.transfer.agent import PeerInfo
+from baton.shared.transfer.regions import Region
+
+log = logging.getLogger("baton.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str
+    model: Path = DEFAULT_MODEL_DIR
+    worker_id: str = ""  # default: role + random suffix, unique per process (a restart is a new peer)
+    mode: str = "ring"  # sliding-window storage: ring | paged
+    num_pages: int = 2048
+    page_size: int = 16
+    num_slots: int = 64
+    spec: bool = True
+    draft_tokens: int = 3
+    draft_state: str = "transfer"  # transfer | rebuild | cold
+    prefill_chunk: int = 256
+    max_batch: int = 64  # prompts per prefill batch / sequences per decode step
+    transfer_deadline_s: float = 30.0
+    threads: int = 0  # torch threads; 0 = leave torch's default
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", f"{self.role}-{uuid.uuid4().hex[:10]}")
+
+
+def regions_of(manifest: Manifest) -> list[Region]:
+    """NIXL regions of a manifest: one per layer of every component."""
+    return [Region(comp.name, i, r.addr, r.nbytes, r.item_bytes)
+            for comp in manifest.components for i, r in enumerate(comp.regions)]
+
+
+class EngineThread:
+    """The one thread that touches the model and the KV store (the store has no locks)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class Membership:
+    """Register with the registry, heartbeat under the lease (re-registering when the registry
+    forgot us, e.g. after our lease expired), deregister on stop."""
+    bus: Bus
+    registration: WorkerRegistration
+    load: Callable[[], WorkerLoad]
+    lease_s: float = 5.0
+    _task: asyncio.Task | None = field(default=None, init=False)
+
+    async def start(self, timeout_s: float = 60.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            try:
+                reply = await self.bus.request(subjects.REGISTER, self.registration, RegisterReply, timeout=5.0)
+                self.lease_s = reply.lease_ms / 1000
+                break
+            except BatonError as exc:
+                if exc.code.value not in ("unavailable", "timeout") or asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        self._task = asyncio.create_task(self._beat(), name="heartbeat")
+        log.info("registered as %s %s", self.registration.role, self.registration.worker_id)
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 4)
+            try:
+                beat = Heartbeat(worker_id=self.registration.worker_id, load=self.load())
+                reply = await self.bus.request(subjects.HEARTBEAT, beat, HeartbeatReply, timeout=2.0)
+                if not reply.registered:
+                    await self.bus.request(subjects.REGISTER, self.registration, RegisterReply, timeout=5.0)
+            except BatonError as exc:  # registry restarting: keep serving, keep trying
+                log.warning("heartbeat failed: %s", exc)
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        try:
+            await self.bus.request(subjects.DEREGISTER, Deregistration(
+                worker_id=self.registration.worker_id, reason="shutdown"), Ack, timeout=2.0)
+        except BatonError as exc:
+            log.warning("deregister failed: %s", exc)
+
+
+def registration(config: WorkerConfig, manifest: Manifest, nixl_metadata: bytes, max_seq_len: int) -> WorkerRegistration:
+    return WorkerRegistration(
+        worker_id=config.worker_id, role=config.role, manifest=to_plain(manifest), nixl_metadata=nixl_metadata,
+        capacity=Capacity(total_pages=config.num_pages, page_size=config.page_size,
+                          total_slots=config.num_slots, max_seq_len=max_seq_len))
+
+
+async def on_worker_left(bus: Bus, callback: Callable[[str], Any]) -> None:
+    """Call `await callback(worker_id)` whenever the registry reports a worker gone (deregistered
+    or lease expired): its NIXL peer is dropped and what it held is released."""
+    async def handle(msg) -> None:
+        try:
+            event = decode(msg.data, WorkerEvent)
+        except BatonError as exc:
+            log.warning("ignored malformed worker event: %s", exc)
+            return
+        if event.kind == "left":
+            await callback(event.worker_id)
+    await bus.connection.subscribe(subjects.WORKER_EVENTS, cb=handle)
+
+
+def peer_lookup(bus: Bus) -> Callable[[str], Any]:
+    """NIXL peers come only from manifests the registry validated (looked up by worker id)."""
+    async def lookup(worker_id: str) -> PeerInfo | None:
+        reply = await bus.request(subjects.LOOKUP, LookupRequest(worker_id=worker_id), LookupReply, timeout=2.0)
+        if not reply.workers:
+            return None
+        reg = reply.workers[0].registration
+        return PeerInfo(reg.worker_id, reg.nixl_metadata, regions_of(from_plain(Manifest, reg.manifest)))
+    return lookup

@@ -1,0 +1,92 @@
+"""Helpers for end-to-end tests: a real cluster (nats-server + service processes) and the
+`transformers` greedy reference on the shipped checkpoint."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+from pathlib import Path
+
+import torch
+
+from baton.proto import subjects
+from baton.proto.internal import LookupReply, LookupRequest
+from baton.shared.bus import Bus
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.up import Cluster, start_cluster, wait_ready
+
+
+@contextlib.contextmanager
+def running_cluster(nats_url: str | None = None, prefill: int = 1, decode: int = 1, worker_args: list[str] = ()):
+    log_dir = tempfile.mkdtemp(prefix="baton-test-")
+    args = argparse.Namespace(model=DEFAULT_MODEL_DIR, prefill=prefill, decode=decode, log_dir=log_dir,
+                              nats_url=nats_url, nats_port=None)
+    cluster = start_cluster(args, ["--threads", "1", "--num-pages", "512", "--num-slots", "16", *worker_args])
+    try:
+        asyncio.run(wait_ready(cluster.nats_url, cluster, prefill, decode, 240.0))
+        yield cluster
+    except BaseException:
+        print_logs(log_dir)
+        raise
+    finally:
+        cluster.stop()
+
+
+def print_logs(log_dir: str) -> None:
+    for path in sorted(Path(log_dir).glob("*.log")):
+        print(f"--- {path.name} ---\n{path.read_text()[-4000:]}")
+
+
+async def worker_loads(url: str) -> dict[str, tuple]:
+    """worker id -> (role, free pages, total pages, free slots, total slots, active)."""
+    bus = await Bus.connect(url, "test-lookup")
+    try:
+        reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
+    finally:
+        await bus.close()
+    return {w.registration.worker_id: (w.registration.role, w.load.free_pages, w.registration.capacity.total_pages,
+                                       w.load.free_slots, w.registration.capacity.total_slots, w.load.active_requests)
+            for w in reply.workers}
+
+
+async def wait_all_free(url: str, timeout_s: float = 15.0) -> dict:
+    """Until every worker reports all pages and slots free (heartbeats carry the load)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        loads = await worker_loads(url)
+        if all(v[1] == v[2] and v[3] == v[4] for v in loads.values()):
+            return loads
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"capacity did not return to full: {loads}")
+        await asyncio.sleep(0.25)
+
+
+class Reference:
+    """transformers' Qwen3ForCausalLM greedy generate on the same checkpoint."""
+
+    def __init__(self) -> None:
+        import transformers
+        self.model = transformers.Qwen3ForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                  pad_token_id=0, eos_token_id=self.model.config.eos_token_id)
+        return out[0, len(prompt):].tolist()
+
+    @torch.no_grad()
+    def margin_at(self, prefix: list[int]) -> float:
+        """Top-2 logit margin of the next token after `prefix` (how close a tie was)."""
+        logits = self.model(torch.tensor([prefix])).logits[0, -1]
+        top = logits.topk(2).values
+        return float(top[0] - top[1])
+
+    def explain(self, prompt: list[int], got: list[int], want: list[int]) -> str:
+        i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        margin = self.margin_at(prompt + want[:i])
+        return f"diverged at generated token {i}: got {got[i]}, reference {want[i]}, reference top-2 margin {margin:.2e}"
+
+
+__all__ = ["Cluster", "Reference", "running_cluster", "wait_all_free", "worker_loads"]

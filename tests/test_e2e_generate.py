@@ -1,0 +1,126 @@
+"""End to end: real nats-server, separate service processes, real NIXL. Greedy output equals
+`transformers` generate token for token; streaming equals non-streaming; cancel frees everything;
+bad input gets the right error code and the services keep serving."""
+import asyncio
+
+import msgpack
+import pytest
+
+from baton.proto import subjects
+from baton.proto.errors import BatonError
+from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest, StreamChunk
+from baton.shared.bus import Bus
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
+from baton.shared.model.heldout import heldout_prompts
+from baton.shared.model.tokenizer import TextTokenizer
+from e2e_cluster import Reference, running_cluster, wait_all_free
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+W = load_model().cfg.sliding_window
+PROMPT_LENGTHS = [W // 2, W, 4 * W + 5]
+
+
+@pytest.fixture(scope="module")
+def cluster(nats_server):
+    with running_cluster(nats_server) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Reference()
+
+
+def prompts() -> list[list[int]]:
+    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
+    return [heldout_prompts(tok, 1, n, seed=n)[0] for n in PROMPT_LENGTHS]
+
+
+async def generate(url: str, **fields) -> GenerateReply:
+    bus = await Bus.connect(url, "test")
+    try:
+        return await bus.request(subjects.GENERATE, GenerateRequest(**fields), GenerateReply, timeout=300)
+    finally:
+        await bus.close()
+
+
+def test_greedy_equals_transformers_concurrently(cluster, reference):
+    async def run():
+        return await asyncio.gather(*(generate(cluster.nats_url, token_ids=p, max_tokens=40) for p in prompts()))
+    replies = asyncio.run(run())
+    for p, reply in zip(prompts(), replies):
+        want = reference.greedy(p, 40)
+        assert reply.token_ids == want, reference.explain(p, reply.token_ids, want)
+        assert reply.usage.prompt_tokens == len(p) and reply.usage.completion_tokens == len(want)
+        assert reply.spec.verify_steps > 0 and reply.spec.accepted <= reply.spec.drafted
+    asyncio.run(wait_all_free(cluster.nats_url))
+
+
+def test_stream_equals_unary_and_text_prompts_work(cluster):
+    async def run():
+        unary = await generate(cluster.nats_url, prompt="To be, or not to be", max_tokens=24)
+        bus = await Bus.connect(cluster.nats_url, "test")
+        ids, text, last = [], "", None
+        try:
+            async with bus.stream_request(subjects.GENERATE, GenerateRequest(prompt="To be, or not to be",
+                                          max_tokens=24, stream=True), StreamChunk, timeout_per_message=120) as chunks:
+                async for chunk in chunks:
+                    ids += chunk.token_ids
+                    text += chunk.text
+                    last = chunk
+        finally:
+            await bus.close()
+        return unary, ids, text, last
+    unary, ids, text, last = asyncio.run(run())
+    assert ids == unary.token_ids and text == unary.text
+    assert last.finished and last.finish_reason == unary.finish_reason
+
+
+def test_cancel_mid_stream_frees_everything(cluster):
+    async def run():
+        bus = await Bus.connect(cluster.nats_url, "test")
+        try:
+            request = GenerateRequest(token_ids=prompts()[2], max_tokens=400, stream=True, request_id="cancel-me-1")
+            got = []
+            async with bus.stream_request(subjects.GENERATE, request, StreamChunk, timeout_per_message=120) as chunks:
+                async for chunk in chunks:
+                    got.append(chunk)
+                    if len(got) == 3:
+                        reply = await bus.request(subjects.CANCEL, CancelRequest(request_id="cancel-me-1"), CancelReply)
+                        assert reply.cancelled
+            assert got[-1].finished and got[-1].finish_reason == "abort"
+            assert got[-1].usage.completion_tokens < 400
+        finally:
+            await bus.close()
+        await wait_all_free(cluster.nats_url)
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("payload,code", [
+    (msgpack.packb({"v": 1, "token_ids": [5, 999999], "max_tokens": 4}), "bad_request"),
+    (msgpack.packb({"v": 1, "prompt": "hi", "max_tokens": 0}), "bad_request"),
+    (msgpack.packb({"v": 1, "prompt": "hi", "max_tokens": 10**9}), "bad_request"),
+    (msgpack.packb({"v": 1, "max_tokens": 4}), "bad_request"),
+    (b"\xc1 not msgpack", "bad_request"),
+    (msgpack.packb({"v": 2, "prompt": "hi"}), "bad_request"),
+    (msgpack.packb({"v": 1, "token_ids": list(range(1000)) * 3, "max_tokens": 4000}), "too_large"),
+])
+def test_bad_input_gets_error_code(cluster, payload, code):
+    async def run():
+        bus = await Bus.connect(cluster.nats_url, "test")
+        try:
+            msg = await bus.connection.request(subjects.GENERATE, payload, timeout=30)
+            return msgpack.unpackb(msg.data)
+        finally:
+            await bus.close()
+    reply = asyncio.run(run())
+    assert reply["error"]["code"] == code, reply
+
+
+def test_oversized_request_is_refused_before_sending(cluster):
+    async def run():
+        with pytest.raises(BatonError) as info:
+            await generate(cluster.nats_url, prompt="x" * (2 << 20), max_tokens=4)
+        return info.value
+    assert asyncio.run(run()).code.value == "too_large"
+    assert asyncio.run(generate(cluster.nats_url, prompt="still serving", max_tokens=4)).finish_reason in ("length", "stop")

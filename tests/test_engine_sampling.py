@@ -1,0 +1,118 @@
+"""Speculative sampling keeps the target distribution: the accept rule against an analytic case,
+and tokens generated through the whole draft -> verify loop against the exact target marginal.
+Each test also runs a deliberately biased sampler to show the check would catch it."""
+import math
+
+import pytest
+import torch
+
+from baton.shared.engine import sampling
+from baton.shared.engine.local import LocalCapacity, LocalEngine
+from baton.shared.engine.runner import SpecConfig
+from baton.shared.engine.sampling import SamplingParams, accept_drafts, target_probs
+from baton.shared.engine.sequence import Sequence
+from baton.shared.model.config import FULL, SLIDING, ModelConfig
+from baton.shared.model.dense_attention import DenseAttention
+from baton.shared.model.model import BatonLM
+
+pytestmark = pytest.mark.unit
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic over categories with expected count >= 5 (rest pooled), and its dof."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def chi_square_limit(dof: int, z: float = 4.0) -> float:
+    """Upper quantile of chi-square(dof) at about z sigma (Wilson-Hilferty): a fair sampler
+    exceeds it with probability ~3e-5."""
+    a = 2.0 / (9 * dof)
+    return dof * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def test_top_p_keeps_the_smallest_prefix():
+    p = target_probs(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), SamplingParams(1.0, 0.7))
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+
+
+def one_draft_outputs(n: int, p: torch.Tensor, q: torch.Tensor, accept=accept_drafts) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+    logits = torch.log(p)[None].repeat(2, 1)  # [k+1, V]: target at both verified positions
+    counts = torch.zeros(len(p))
+    for _ in range(n):
+        x = int(torch.multinomial(q, 1, generator=gen))
+        accepted, bonus = accept([x], [q], logits, params, gen)
+        counts[x if accepted else bonus] += 1
+    return counts
+
+
+def test_accept_rule_matches_target_analytically():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    q = torch.tensor([0.1, 0.6, 0.1, 0.2])  # a poor draft: most mass on the wrong token
+    counts = one_draft_outputs(20000, p, q)
+    stat, dof = chi_square(counts, p)
+    assert stat < chi_square_limit(dof), (counts / counts.sum(), p)
+
+    def always_accept(drafts, q_probs, logits, params, gen):
+        return len(drafts), 0
+    biased = one_draft_outputs(20000, p, q, always_accept)
+    assert chi_square(biased, p)[0] > chi_square_limit(dof)  # the check has teeth
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, layer_types=(SLIDING, FULL),
+                      sliding_window=4, num_nextn_predict_layers=1, mtp_layer_types=(SLIDING,))
+    torch.manual_seed(3)
+    m = BatonLM(cfg)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return m.eval()
+
+
+@torch.no_grad()
+def exact_second_token(model, prompt: list[int], temperature: float) -> torch.Tensor:
+    """P(token 2 | prompt) = sum_t1 P(t1 | prompt) P(t2 | prompt, t1), under the target alone."""
+    def next_probs(seq):
+        h = model.forward_hidden(torch.tensor(seq), torch.arange(len(seq)), DenseAttention(model.cfg, 1, len(seq)))
+        return torch.softmax(model.logits(h[-1:])[0] / temperature, -1)
+    p1 = next_probs(prompt)
+    return sum(p1[t] * next_probs(prompt + [t]) for t in range(len(p1)))
+
+
+def sample_second_tokens(model, prompt, n, temperature, monkeypatch=None) -> torch.Tensor:
+    engine = LocalEngine(model, SpecConfig(True, 3, "transfer"), LocalCapacity(num_pages=4000, page_size=4, num_slots=500))
+    counts = torch.zeros(model.cfg.vocab_size)
+    for batch in range(n // 500):
+        seqs = [Sequence(f"s{batch}-{i}", prompt, 3, SamplingParams(temperature, 1.0, seed=batch * 500 + i))
+                for i in range(500)]
+        for s in engine.run(seqs):
+            assert s.stats.verify_steps >= 1  # token 2 came out of a draft -> verify step
+            counts[s.output[1]] += 1
+    return counts
+
+
+def test_speculative_tokens_follow_the_target_distribution(model, monkeypatch):
+    prompt, temperature = [1, 5, 7, 2, 9, 3], 0.9
+    exact = exact_second_token(model, prompt, temperature)
+    counts = sample_second_tokens(model, prompt, 2000, temperature)
+    stat, dof = chi_square(counts, exact)
+    assert stat < chi_square_limit(dof), (stat, dof)
+
+    original = sampling.accept_drafts
+
+    def greedy_accept(drafts, q_probs, logits, params, gen):  # biased: accepts every draft
+        accepted, bonus = original(drafts, q_probs, logits, params, gen)
+        return len(drafts), bonus
+    monkeypatch.setattr("baton.shared.engine.runner.accept_drafts", greedy_accept)
+    biased = sample_second_tokens(model, prompt, 2000, temperature)
+    assert chi_square(biased, exact)[0] > chi_square_limit(dof)
