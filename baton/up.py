@@ -31,6 +31,7 @@ class Cluster:
     nats_url: str
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     server: NatsServer | None = None
+    log_dir: Path = Path(".")
 
     def spawn(self, role: str, args: list[str], log_dir: Path) -> None:
         log = open(log_dir / f"{role}-{len(self.children)}.log", "wb")
@@ -93,7 +94,7 @@ def start_cluster(args, worker_args: list[str]) -> Cluster:
     else:
         server = NatsServer(port=getattr(args, "nats_port", None), store_dir=str(log_dir / "jetstream")).start()
         url = server.url
-    cluster = Cluster(url, server=server)
+    cluster = Cluster(url, server=server, log_dir=log_dir)
     model = ["--model", str(args.model)]
     cluster.spawn("registry", model, log_dir)
     for _ in range(args.prefill):
