@@ -62,6 +62,7 @@ class WorkerLoad:
     free_slots: Count
     active_requests: Count
     queued_prompt_tokens: Count
+    requests_total: Count = 0  # requests this worker has taken since it started
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -65,6 +65,7 @@ class DecodeWorker:
         self.lookup = peer_lookup(bus)
         self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=self.lookup)
         self.peers: set[str] = set()
+        self.requests_total = 0
         self.engine = EngineThread()
         self.requests: dict[int, Request] = {}  # by tag
         self.wake = asyncio.Event()
@@ -74,7 +75,7 @@ class DecodeWorker:
     def load(self) -> WorkerLoad:
         free = self.store.free_capacity()
         return WorkerLoad(free_pages=free.pages, free_slots=free.slots, active_requests=len(self.requests),
-                          queued_prompt_tokens=0)
+                          queued_prompt_tokens=0, requests_total=self.requests_total)
 
     async def run(self, stop: asyncio.Event) -> None:
         async with self.agent:
@@ -122,6 +123,7 @@ class DecodeWorker:
             alloc = await self.engine.call(self._allocate, msg.request_id, positions, len(seq.prompt))
         except KVError as exc:
             raise BatonError(ErrorCode.BUSY, f"decode {self.config.worker_id}: {exc}") from None
+        self.requests_total += 1
         draft_state = self._draft_state(msg.draft_state)
         self.requests[tag] = Request(seq, msg.stream_subject, draft_state, time.monotonic())
         self.agent.arrivals.expect(tag, msg.prefill_worker_id, [c for c in msg.components if c != "aux/AUX"],

@@ -64,6 +64,7 @@ class PrefillWorker:
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.queued_tokens = 0
         self.active = 0
+        self.requests_total = 0
         self.membership = Membership(bus, registration(config, self.manifest, self.agent.metadata(),
                                                        self.model.cfg.max_position_embeddings), self.load)
         self._tasks: set[asyncio.Task] = set()
@@ -71,7 +72,7 @@ class PrefillWorker:
     def load(self) -> WorkerLoad:
         free = self.store.free_capacity()
         return WorkerLoad(free_pages=free.pages, free_slots=free.slots, active_requests=self.active,
-                          queued_prompt_tokens=self.queued_tokens)
+                          queued_prompt_tokens=self.queued_tokens, requests_total=self.requests_total)
 
     async def run(self, stop: asyncio.Event) -> None:
         async with self.agent:
@@ -100,6 +101,7 @@ class PrefillWorker:
         job = Job(req, plan, decode_alloc, asyncio.get_running_loop().create_future(), time.monotonic())
         self.queued_tokens += len(req.token_ids)
         self.active += 1
+        self.requests_total += 1
         self.queue.put_nowait(job)
         try:
             return await job.done

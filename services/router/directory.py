@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from baton.proto import subjects
 from baton.proto.codec import decode
@@ -23,9 +24,10 @@ class Directory:
         self.bus, self.refresh_s = bus, refresh_s
         self.workers: dict[str, WorkerInfo] = {}
         self._plans: dict[tuple[str, str], dict] = {}
-        self._outstanding: dict[str, int] = {}  # prompt tokens this router has in flight per prefill
+        self._outstanding: dict[str, int] = {}  # in flight from this router: prompt tokens per prefill, requests per decode
         self._refreshed_at = 0.0
         self._changed = asyncio.Event()
+        self.on_left: Callable[[str, str], None] = lambda worker_id, reason: None  # set by the router
 
     async def start(self) -> None:
         await self.bus.connection.subscribe(subjects.WORKER_EVENTS, cb=self._on_event)
@@ -91,4 +93,6 @@ class Directory:
             return
         log.info("worker %s %s (%s)", event.worker_id, event.kind, event.reason)
         self._forget(event.worker_id)  # a left worker, or a re-registered one with new memory
+        if event.kind == "left":
+            self.on_left(event.worker_id, event.reason)
         await self.refresh()

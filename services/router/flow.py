@@ -42,6 +42,14 @@ class Outcome:
     spec: dict = field(default_factory=lambda: {"verify_steps": 0, "drafted": 0, "accepted": 0})
 
 
+class PrefillLost(Exception):
+    """The prefill worker of the current attempt left before the state arrived."""
+
+    def __init__(self, error: BatonError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 def request_tag(request_id: str) -> int:
     """The u64 tag NIXL notifications and the aux row carry for a request."""
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") >> 1
@@ -57,35 +65,76 @@ class Flow:
                  token_ids: list[int], max_tokens: int, sampling: SamplingParams) -> None:
         self.bus, self.directory, self.timeouts = bus, directory, timeouts
         self.request_id, self.token_ids, self.max_tokens, self.sampling = request_id, token_ids, max_tokens, sampling
+        self.attempt_id = request_id  # the id decode and prefill see; a retry gets a fresh one
         self.events: asyncio.Queue = asyncio.Queue()
         self.decode_id: str | None = None
         self.prefill_id: str | None = None
         self.outcome = Outcome()
         self._tasks: list[asyncio.Task] = []
         self._released = False
+        self._prefilled = False
+        self._held: dict[str, int] = {}  # load this flow counts against workers in the directory
 
     def cancel(self, reason: str = "cancelled") -> None:
         self.events.put_nowait(("cancel", reason))
 
+    def worker_left(self, worker_id: str, reason: str) -> None:
+        """A worker this request depends on is gone: end the request (or retry its prefill) now
+        instead of at a timeout."""
+        error = BatonError(ErrorCode.UNAVAILABLE, f"request {self.request_id}: worker {worker_id} left ({reason})")
+        if worker_id == self.decode_id:
+            self.events.put_nowait(("error", error))
+        elif worker_id == self.prefill_id and not self._prefilled:
+            self.events.put_nowait(("prefill_lost", error))
+
     async def tokens(self) -> AsyncIterator[list[int]]:
-        """Yield token ids as decode produces them; `self.outcome` says how it ended."""
+        """Yield token ids as decode produces them; `self.outcome` says how it ended. A prefill
+        worker lost before the state arrived is retried once on another (fresh reservation)."""
         try:
-            await self._admit()
-            async for ids in self._relay():
-                yield ids
+            for attempt in range(2):
+                try:
+                    await self._admit()
+                    async for ids in self._relay():
+                        yield ids
+                    return
+                except PrefillLost as lost:
+                    if attempt == 1:
+                        raise lost.error
+                    log.warning("%s; retrying on another prefill worker", lost.error.message)
+                    await self._end_attempt("prefill lost")
+                    self.attempt_id = f"{self.request_id[:56]}-retry1"
         except BatonError as exc:
             self.outcome.error = exc
         finally:
-            for task in self._tasks:
-                task.cancel()
-            if self.outcome.finish_reason not in ("length", "stop"):
-                await self._release(self.outcome.finish_reason or "error")
+            await self._end_attempt(self.outcome.finish_reason or "error")
+
+    async def _end_attempt(self, reason: str) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
+        for worker_id in list(self._held):
+            self._unhold(worker_id)
+        if self.outcome.finish_reason not in ("length", "stop"):
+            await self._release(reason)
+        if getattr(self, "inbox", None) is not None:
+            await self.inbox.close()
+        self.decode_id = self.prefill_id = None
+        self._released = self._prefilled = False
+        self.events = asyncio.Queue()
+
+    def _hold(self, worker_id: str, amount: int) -> None:
+        self._held[worker_id] = amount
+        self.directory.add_outstanding(worker_id, amount)
+
+    def _unhold(self, worker_id: str) -> None:
+        self.directory.add_outstanding(worker_id, -self._held.pop(worker_id, 0))
 
     # --- admission ------------------------------------------------------------------------
     async def _admit(self) -> None:
         self.inbox = await self.bus.inbox(TokenChunk, timeout_per_message=self.timeouts.request_s)
         self._tasks.append(asyncio.create_task(self._read_chunks(), name=f"chunks {self.request_id}"))
         prefill = self._pick_prefill()
+        self._hold(prefill, len(self.token_ids))  # counted now, so concurrent picks spread out
         reservation, plan = await self._reserve(prefill)
         self._tasks.append(asyncio.create_task(self._prefill(prefill, reservation, plan),
                                                name=f"prefill {self.request_id}"))
@@ -98,21 +147,24 @@ class Flow:
         return best.registration.worker_id
 
     async def _reserve(self, prefill_id: str) -> tuple[ReserveReply, dict]:
-        decodes = sorted(self.directory.of_role("decode"),
-                         key=lambda w: (w.load.free_slots == 0, -w.load.free_pages))
+        decodes = sorted(self.directory.of_role("decode"),  # free slots first, then least loaded
+                         key=lambda w: (w.load.free_slots == 0,
+                                        self.directory.outstanding(w.registration.worker_id), -w.load.free_pages))
         if not decodes:
             raise BatonError(ErrorCode.UNAVAILABLE, "no decode worker is registered")
         last: BatonError | None = None
         for worker in decodes:
             decode_id = worker.registration.worker_id
+            self._hold(decode_id, 1)
             try:
                 plan = await self.directory.plan(prefill_id, decode_id)
                 reply = await self.bus.request(subjects.decode_reserve(decode_id), ReserveRequest(
-                    request_id=self.request_id, token_ids=self.token_ids, max_tokens=self.max_tokens,
+                    request_id=self.attempt_id, token_ids=self.token_ids, max_tokens=self.max_tokens,
                     sampling=self.sampling, stream_subject=self.inbox.subject, prefill_worker_id=prefill_id,
                     components=plan_components(plan),
                     draft_state=plan["draft_state"]), ReserveReply, timeout=self.timeouts.control_s)
             except BatonError as exc:
+                self._unhold(decode_id)
                 last = exc
                 if exc.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
                     continue
@@ -122,17 +174,17 @@ class Flow:
         raise last if last.code != ErrorCode.UNAVAILABLE else BatonError(ErrorCode.BUSY, f"no decode capacity: {last.message}")
 
     async def _prefill(self, prefill_id: str, reservation: ReserveReply, plan: dict) -> None:
-        self.directory.add_outstanding(prefill_id, len(self.token_ids))
         try:
             done = await self.bus.request(subjects.prefill_dispatch(prefill_id), PrefillDispatch(
-                request_id=self.request_id, token_ids=self.token_ids, sampling=self.sampling,
+                request_id=self.attempt_id, token_ids=self.token_ids, sampling=self.sampling,
                 decode_worker_id=reservation.decode_worker_id, decode_allocation=reservation.allocation,
                 transfer_plan=plan), PrefillDone, timeout=self.timeouts.first_token_s)
+            self._prefilled = True
             self.events.put_nowait(("prefilled", done))
         except BatonError as exc:
-            self.events.put_nowait(("error", exc))
+            self.events.put_nowait(("prefill_lost" if exc.code == ErrorCode.UNAVAILABLE else "error", exc))
         finally:
-            self.directory.add_outstanding(prefill_id, -len(self.token_ids))
+            self._unhold(prefill_id)
 
     async def _read_chunks(self) -> None:
         try:
@@ -157,6 +209,8 @@ class Flow:
                 return
             if kind == "error":
                 raise value
+            if kind == "prefill_lost":
+                raise PrefillLost(value)
             if kind == "chunk":
                 if value.seq != expected_seq:
                     raise BatonError(ErrorCode.INTERNAL, f"request {self.request_id}: token chunk "
@@ -178,7 +232,7 @@ class Flow:
         self._released = True
         try:
             await self.bus.request(subjects.decode_release(self.decode_id),
-                                   ReleaseRequest(request_id=self.request_id, reason=reason), Ack,
+                                   ReleaseRequest(request_id=self.attempt_id, reason=reason), Ack,
                                    timeout=self.timeouts.control_s)
         except BatonError as exc:
             log.warning("release of %s on %s failed: %s", self.request_id, self.decode_id, exc)

@@ -36,6 +36,7 @@ class Router:
     def __init__(self, bus: Bus, model: ModelConfig, tokenizer: TextTokenizer, config: RouterConfig) -> None:
         self.bus, self.model, self.tokenizer, self.config = bus, model, tokenizer, config
         self.directory = Directory(bus)
+        self.directory.on_left = self._worker_left
         self.flows: dict[str, Flow] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -76,6 +77,10 @@ class Router:
         if flow is not None:
             flow.cancel("cancelled by the client")
         return flow is not None
+
+    def _worker_left(self, worker_id: str, reason: str) -> None:
+        for flow in self.flows.values():
+            flow.worker_left(worker_id, reason)
 
     # --- generation -----------------------------------------------------------------------
     def _prepare(self, req: GenerateRequest) -> tuple[GenerateRequest, str, list[int]]:

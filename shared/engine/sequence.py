@@ -16,8 +16,10 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # accepted count per draft position
+    per_step: list[int] = field(default_factory=list)  # drafts accepted at each verify step, in order
 
     def record(self, k: int, accepted: int) -> None:
+        self.per_step.append(accepted)
         self.verify_steps += 1
         self.drafted += k
         self.accepted += accepted
@@ -25,6 +27,16 @@ class SpecStats:
             self.accepted_at.extend([0] * (k - len(self.accepted_at)))
         for j in range(accepted):
             self.accepted_at[j] += 1
+
+    def acceptance_length(self, first_tokens: int | None = None) -> float:
+        """Tokens committed per verify step, over the whole request or over the verify steps
+        that produced its first `first_tokens` decode tokens."""
+        steps, committed = 0, 0
+        for accepted in self.per_step:
+            if first_tokens is not None and committed >= first_tokens:
+                break
+            steps, committed = steps + 1, committed + accepted + 1
+        return committed / steps if steps else 0.0
 
     def as_dict(self) -> dict:
         return {"verify_steps": self.verify_steps, "drafted": self.drafted, "accepted": self.accepted}

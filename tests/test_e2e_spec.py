@@ -1,0 +1,80 @@
+"""Speculative decoding end to end (real nats-server, separate processes, real NIXL): greedy
+output equals transformers generate in every draft-state mode for k = 1, 3, 5 and with
+speculation off, with many requests batched together; several prefill and decode workers share
+the load and stay exact."""
+import asyncio
+import functools
+
+import pytest
+
+from baton.proto import subjects
+from baton.proto.public import GenerateReply, GenerateRequest
+from baton.shared.bus import Bus
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
+from baton.shared.model.heldout import heldout_prompts
+from baton.shared.model.tokenizer import TextTokenizer
+from e2e_cluster import Reference, running_cluster, wait_all_free, worker_loads
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+W = load_model().cfg.sliding_window
+MAX_TOKENS = 24
+
+
+@functools.lru_cache(maxsize=1)
+def reference() -> Reference:
+    return Reference()
+
+
+@functools.lru_cache(maxsize=None)
+def expected(prompt: tuple[int, ...]) -> list[int]:
+    return reference().greedy(list(prompt), MAX_TOKENS)
+
+
+def prompts(n: int = 6) -> list[list[int]]:
+    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
+    lengths = [3, W - 1, W, W + 1, 3 * W, 6 * W + 7, 2 * W, 17][:n]
+    return [heldout_prompts(tok, 1, L, seed=100 + L)[0] for L in lengths]
+
+
+async def generate_all(url: str, batch: list[list[int]]) -> list[GenerateReply]:
+    bus = await Bus.connect(url, "test")
+    try:
+        return await asyncio.gather(*(bus.request(subjects.GENERATE, GenerateRequest(token_ids=p, max_tokens=MAX_TOKENS),
+                                                  GenerateReply, timeout=300) for p in batch))
+    finally:
+        await bus.close()
+
+
+def check_exact(batch, replies, k: int | None) -> None:
+    for p, reply in zip(batch, replies):
+        want = expected(tuple(p))
+        assert reply.token_ids == want, reference().explain(p, reply.token_ids, want)
+        if k is None:
+            assert reply.spec.verify_steps == reply.spec.drafted == 0
+        else:
+            assert reply.spec.drafted == k * reply.spec.verify_steps > 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("mode", ["transfer", "rebuild", "cold"])
+def test_greedy_exact_in_every_draft_state_mode(k, mode):
+    with running_cluster(worker_args=["--draft-tokens", str(k), "--draft-state", mode]) as cluster:
+        batch = prompts()
+        check_exact(batch, asyncio.run(generate_all(cluster.nats_url, batch)), k)
+        asyncio.run(wait_all_free(cluster.nats_url))
+
+
+def test_greedy_exact_with_speculation_off():
+    with running_cluster(worker_args=["--spec", "off"]) as cluster:
+        batch = prompts()
+        check_exact(batch, asyncio.run(generate_all(cluster.nats_url, batch)), None)
+
+
+def test_several_prefill_and_decode_workers_share_requests_exactly():
+    with running_cluster(prefill=2, decode=2, worker_args=["--kv-mode", "paged"]) as cluster:
+        batch = prompts(8) * 2
+        check_exact(batch, asyncio.run(generate_all(cluster.nats_url, batch)), 3)
+        loads = asyncio.run(wait_all_free(cluster.nats_url))
+        served = {role: [v[6] for v in loads.values() if v[0] == role] for role in ("prefill", "decode")}
+        assert len(served["decode"]) == 2 and all(n > 0 for n in served["decode"]), served
+        assert len(served["prefill"]) == 2 and all(n > 0 for n in served["prefill"]), served

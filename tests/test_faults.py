@@ -1,0 +1,138 @@
+"""Faults with real processes: kill -9 of decode and of prefill mid-request, a registry restart,
+cancels at several stages. Each asserts that every request got a complete reply or an error code,
+that capacity on every surviving worker returns to full, and that later requests are exact."""
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from baton.proto import subjects
+from baton.proto.errors import BatonError
+from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest
+from baton.shared.bus import Bus
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared.model.heldout import heldout_prompts
+from baton.shared.model.tokenizer import TextTokenizer
+from e2e_cluster import Reference, running_cluster, wait_all_free
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+LEASE_S = 5.0  # registry lease: a killed worker is noticed within this plus a sweep
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Reference()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return heldout_prompts(TextTokenizer.load(DEFAULT_MODEL_DIR), 1, n, seed=seed)[0]
+
+
+async def outcome(bus: Bus, p: list[int], max_tokens: int, request_id: str | None = None):
+    """The reply, or the BatonError; never a hang (the router's timeouts bound it)."""
+    try:
+        return await bus.request(subjects.GENERATE, GenerateRequest(token_ids=p, max_tokens=max_tokens,
+                                                                    request_id=request_id), GenerateReply, timeout=120)
+    except BatonError as exc:
+        return exc
+
+
+def kill(cluster, role: str, index: int = 0) -> None:
+    procs = [p for r, p in cluster.children if r == role]
+    os.kill(procs[index].pid, signal.SIGKILL)
+    procs[index].wait()
+
+
+def assert_exact(reference, p, reply, n) -> None:
+    assert isinstance(reply, GenerateReply), reply
+    assert reply.token_ids == reference.greedy(p, n)[:len(reply.token_ids)] and reply.finish_reason in ("length", "stop")
+
+
+def test_decode_killed_mid_request(reference):
+    with running_cluster(prefill=1, decode=2) as cluster:
+        async def run():
+            bus = await Bus.connect(cluster.nats_url, "test")
+            try:
+                prompts = [prompt(40, s) for s in range(4)]
+                tasks = [asyncio.create_task(outcome(bus, p, 400)) for p in prompts]
+                await asyncio.sleep(2.0)  # all four are decoding, spread over both decode workers
+                started = time.monotonic()
+                kill(cluster, "decode", 0)
+                results = await asyncio.gather(*tasks)
+                elapsed = time.monotonic() - started
+                errors = [r for r in results if isinstance(r, BatonError)]
+                assert errors, "requests on the killed decode must fail"
+                assert all(e.code.value == "unavailable" for e in errors), errors
+                assert elapsed < LEASE_S + 10, f"clients waited {elapsed:.1f} s"
+                for p, r in zip(prompts, results):
+                    if not isinstance(r, BatonError):
+                        assert_exact(reference, p, r, 400)
+                later = prompt(50, 9)
+                assert_exact(reference, later, await outcome(bus, later, 20), 20)
+            finally:
+                await bus.close()
+            await wait_all_free(cluster.nats_url)
+        asyncio.run(run())
+
+
+def test_prefill_killed_before_its_transfer_is_retried(reference, monkeypatch):
+    monkeypatch.setenv("BATON_TRANSFER_FAULTS", "delay=3")  # every WRITE waits 3 s: a window to kill in
+    with running_cluster(prefill=2, decode=1) as cluster:
+        async def run():
+            bus = await Bus.connect(cluster.nats_url, "test")
+            try:
+                prompts = [prompt(30, 20 + s) for s in range(4)]
+                tasks = [asyncio.create_task(outcome(bus, p, 8)) for p in prompts]
+                await asyncio.sleep(1.0)
+                kill(cluster, "prefill", 0)
+                results = await asyncio.gather(*tasks)
+                for p, r in zip(prompts, results):  # those on the killed prefill were retried on the other
+                    assert_exact(reference, p, r, 8)
+            finally:
+                await bus.close()
+            await wait_all_free(cluster.nats_url, timeout_s=LEASE_S + 15)  # decode held the slots until then
+        asyncio.run(run())
+
+
+def test_registry_restart_keeps_requests_flowing(reference):
+    with running_cluster(prefill=1, decode=1) as cluster:
+        async def run():
+            bus = await Bus.connect(cluster.nats_url, "test")
+            try:
+                p = prompt(70, 30)
+                inflight = asyncio.create_task(outcome(bus, p, 200))
+                await asyncio.sleep(0.5)
+                kill(cluster, "registry")
+                assert_exact(reference, p, await inflight, 200)
+                assert_exact(reference, p, await outcome(bus, p, 10), 10)  # router's cached view
+                cluster.spawn("registry", ["--model", str(DEFAULT_MODEL_DIR)], cluster.log_dir)
+                await asyncio.sleep(LEASE_S)  # workers heartbeat into the restarted registry
+                assert_exact(reference, p, await outcome(bus, p, 10), 10)
+            finally:
+                await bus.close()
+            loads = await wait_all_free(cluster.nats_url)
+            assert sorted(v[0] for v in loads.values()) == ["decode", "prefill"]
+        asyncio.run(run())
+
+
+def test_cancel_at_every_stage_frees_everything(reference, monkeypatch):
+    monkeypatch.setenv("BATON_TRANSFER_FAULTS", "delay=1.5")  # a transfer stage long enough to cancel in
+    with running_cluster(prefill=1, decode=1) as cluster:
+        async def run():
+            bus = await Bus.connect(cluster.nats_url, "test")
+            try:
+                for i, wait_s in enumerate([0.0, 0.3, 1.0, 2.5]):  # queued/prefilling, transferring, decoding
+                    rid = f"cancel-stage-{i}"
+                    task = asyncio.create_task(outcome(bus, prompt(60, 40 + i), 300, request_id=rid))
+                    await asyncio.sleep(wait_s)
+                    await bus.request(subjects.CANCEL, CancelRequest(request_id=rid), CancelReply)
+                    result = await task
+                    assert isinstance(result, BatonError) or result.finish_reason == "abort", result
+                p = prompt(33, 50)
+                assert_exact(reference, p, await outcome(bus, p, 12), 12)
+            finally:
+                await bus.close()
+            await wait_all_free(cluster.nats_url)
+        asyncio.run(run())
