@@ -13,12 +13,21 @@ the same here. The queries of a batch are padded per sequence:
     window:       None (full attention) or W (query p sees keys p-W+1 .. p)
     -> out        [B, Q, H, D]
 
-On CUDA a Triton kernel would be picked here; on CPU the torch reference below is the path.
+Valid queries (q_pos >= 0) see every key whose position p' has 0 <= p - p' (and p - p' < window
+when windowed); GQA maps query head h to KV head h // (H // Hkv). Outputs of padded queries are
+unspecified (the reference attends everything, the Triton kernel writes zeros): callers drop them.
+Verify (k+1 queries), decode (1), prefill chunks, and the MTP draft layer's ring all use this one
+contract: a ring is just rows.
+
+`chunk_attention` picks the Triton kernel (kernels/chunk_attention_triton.py) on CUDA and the
+torch reference below elsewhere; see kernels/dispatch.py for the rule and its override.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from baton.kernels.dispatch import use_triton
 
 
 def chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window):
@@ -40,4 +49,7 @@ def chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows
 
 def chunk_attention(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window):
     """Dispatch point: Triton on CUDA (see kernels/README.md), the torch reference elsewhere."""
+    if use_triton(q):
+        from baton.kernels.chunk_attention_triton import chunk_attention_triton
+        return chunk_attention_triton(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window)
     return chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window)

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# GPU check for kernels/ on a CUDA machine, from a checkout of the repo:
+#
+#   bash bench/gpu_check.sh
+#
+# 1. finds or builds a Python with a CUDA build of torch 2.13.0 and triton:
+#      - .venv when its torch already sees a GPU, else
+#      - $GPU_VENV (default .venv-gpu): torch==2.13.0 from pip's configured index, or
+#        TORCH_INDEX_URL=<index> (an index that serves CUDA wheels), or WHEELHOUSE=<dir> (offline
+#        wheels: torch, triton and the project's dependencies), then `pip install -e .[test,transfer]`
+# 2. runs tests/test_kernels_*.py compiled on the GPU (TRITON_INTERPRET unset: the tests pick
+#    CUDA by themselves when torch sees one)
+# 3. runs the kernel micro-benchmark (bench/kernels.py: Triton vs torch reference / SDPA) in bf16 and fp16
+# 4. runs the NIXL transfer benchmark (bench/transfer.py) with VRAM when it has such an option,
+#    else in DRAM, and says so
+# Everything it prints also lands in $OUT (default out/gpu): tests.txt, kernels_*.json, transfer.json.
+# Exit status: non-zero if any step failed (every step runs regardless).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+FAILED=()
+step() {  # step NAME CMD...: run, tee into $OUT/NAME.txt, remember failures
+  local name=$1; shift
+  echo "=== $name: $*"
+  "$@" 2>&1 | tee "$OUT/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { echo "=== $name FAILED (exit $rc)"; FAILED+=("$name"); }
+}
+
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L; then
+  echo "gpu_check: no NVIDIA GPU visible (nvidia-smi); this script is for a CUDA machine" >&2
+  exit 2
+fi
+
+has_cuda_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
+
+PY=.venv/bin/python
+if ! has_cuda_torch "$PY"; then
+  GPU_VENV=${GPU_VENV:-.venv-gpu}
+  PY=$GPU_VENV/bin/python
+  if ! has_cuda_torch "$PY"; then
+    echo "=== installing a CUDA build of torch into $GPU_VENV"
+    [ -x "$PY" ] || "${PYTHON:-python3}" -m venv "$GPU_VENV"
+    PIP=("$PY" -m pip install -q)
+    if [ -n "${WHEELHOUSE:-}" ]; then
+      PIP+=(--no-index --find-links "$WHEELHOUSE")
+    fi
+    TORCH_ARGS=()
+    [ -n "${TORCH_INDEX_URL:-}" ] && TORCH_ARGS+=(--index-url "$TORCH_INDEX_URL")
+    "${PIP[@]}" "${TORCH_ARGS[@]}" "torch==2.13.0" || exit 3
+    "${PIP[@]}" -e ".[test,transfer]" || exit 3
+    if ! has_cuda_torch "$PY"; then
+      "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+      echo "gpu_check: the installed torch has no CUDA (a +cpu wheel?). Set TORCH_INDEX_URL to an" \
+           "index with CUDA wheels, or WHEELHOUSE to a folder of them, and remove $GPU_VENV" >&2
+      exit 3
+    fi
+  fi
+fi
+"$PY" -m pip install -q triton 2>/dev/null || true  # a CUDA torch usually brings its own triton
+"$PY" - <<'EOF' | tee "$OUT/env.txt"
+import torch, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
+EOF
+
+unset TRITON_INTERPRET
+step tests env BATON_KERNELS=auto "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_kernels_*.py
+step kernels_bf16 "$PY" bench/kernels.py --dtype bf16 --json "$OUT/kernels_bf16.json"
+step kernels_fp16 "$PY" bench/kernels.py --dtype fp16 --json "$OUT/kernels_fp16.json"
+
+HELP=$("$PY" bench/transfer.py --help 2>&1 || true)
+if grep -q -- "--vram" <<<"$HELP"; then
+  step transfer "$PY" bench/transfer.py --vram --json "$OUT/transfer.json"
+elif grep -q -- "--mem" <<<"$HELP"; then
+  step transfer "$PY" bench/transfer.py --mem VRAM --json "$OUT/transfer.json"
+elif grep -q -- "--device" <<<"$HELP"; then
+  step transfer "$PY" bench/transfer.py --device cuda --json "$OUT/transfer.json"
+else
+  echo "=== transfer: bench/transfer.py has no VRAM option yet (--vram / --mem / --device): DRAM only"
+  step transfer "$PY" bench/transfer.py --json "$OUT/transfer.json"
+fi
+
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "gpu_check: FAILED steps: ${FAILED[*]} (logs in $OUT)"
+  exit 1
+fi
+echo "gpu_check: all steps passed (logs and JSON in $OUT)"
