@@ -22,6 +22,7 @@ from baton.proto.errors import BatonError
 from baton.proto.public import GenerateReply, GenerateRequest
 from baton.shared.bus import Bus
 from baton.shared.bus.server import NatsServer
+from baton.shared.metrics import FILE_ENV, PORT_ENV
 
 STATE_FILE = Path(os.environ.get("BATON_STATE", Path.home() / ".cache" / "baton" / "up.json"))
 
@@ -34,10 +35,21 @@ class Cluster:
     log_dir: Path = Path(".")
 
     def spawn(self, role: str, args: list[str], log_dir: Path) -> None:
-        log = open(log_dir / f"{role}-{len(self.children)}.log", "wb")
+        name = f"{role}-{len(self.children)}"
+        log = open(log_dir / f"{name}.log", "wb")
         cmd = [sys.executable, "-m", "baton", "serve", role, "--nats-url", self.nats_url, *args]
-        self.children.append((role, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        env = {**os.environ, PORT_ENV: "auto", FILE_ENV: str(log_dir / f"{name}.metrics.json")}
+        self.children.append((role, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                      start_new_session=True)))
+
+    @property
+    def metrics(self) -> list[dict]:
+        """{"role", "port", "pid"} of each live child's /metrics endpoint."""
+        out = []
+        for path in sorted(self.log_dir.glob("*.metrics.json")):
+            entry = json.loads(path.read_text())
+            out += [{"role": role, **entry} for role, p in self.children if p.pid == entry["pid"] and p.poll() is None]
+        return out
 
     def dead(self) -> list[tuple[str, int]]:
         return [(role, p.returncode) for role, p in self.children if p.poll() is not None]
@@ -102,7 +114,27 @@ def start_cluster(args, worker_args: list[str]) -> Cluster:
     for _ in range(args.decode):
         cluster.spawn("decode", model + worker_args, log_dir)
     cluster.spawn("router", model, log_dir)
+    if getattr(args, "http", False):  # `baton up --http`: the OpenAI-compatible frontend too
+        cluster.spawn("http", model + ["--http-host", str(args.http_host), "--http-port", str(args.http_port)], log_dir)
     return cluster
+
+
+def wait_http_ready(cluster: Cluster, host: str, port: int, timeout_s: float) -> str:
+    """Until the HTTP frontend's /health answers 200; returns its base URL."""
+    import urllib.error
+    import urllib.request
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if cluster.dead():
+            raise RuntimeError(f"a service exited during start-up: {cluster.dead()}")
+        try:
+            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=5):
+                return f"http://{host}:{port}/v1"
+        except (urllib.error.URLError, OSError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the HTTP frontend did not answer on {host}:{port} within {timeout_s:g} s")
+            time.sleep(0.2)
 
 
 def run_up(args, worker_args: list[str]) -> int:
@@ -113,10 +145,13 @@ def run_up(args, worker_args: list[str]) -> int:
     try:
         cluster = start_cluster(args, worker_args)
         asyncio.run(wait_ready(cluster.nats_url, cluster, args.prefill, args.decode, args.ready_timeout))
+        http = ""
+        if getattr(args, "http", False):
+            http = f"; OpenAI API on {wait_http_ready(cluster, args.http_host, args.http_port, args.ready_timeout)}"
         STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
         STATE_FILE.write_text(json.dumps({"nats_url": cluster.nats_url, "pid": os.getpid()}))
         print(f"baton ready: {cluster.nats_url} ({args.prefill} prefill, {args.decode} decode; "
-              f"started in {time.monotonic() - t0:.1f} s, logs in {args.log_dir})", flush=True)
+              f"started in {time.monotonic() - t0:.1f} s, logs in {args.log_dir}){http}", flush=True)
         while not stop_now:
             if cluster.dead():
                 print(f"baton: a service exited: {cluster.dead()}; see {args.log_dir}", file=sys.stderr, flush=True)

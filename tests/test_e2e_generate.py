@@ -124,3 +124,26 @@ def test_oversized_request_is_refused_before_sending(cluster):
         return info.value
     assert asyncio.run(run()).code.value == "too_large"
     assert asyncio.run(generate(cluster.nats_url, prompt="still serving", max_tokens=4)).finish_reason in ("length", "stop")
+
+
+def scrape(port: int) -> dict[str, float]:
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {f"{s.name}{sorted(s.labels.items()) if s.labels else ''}": s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_every_service_exposes_metrics_that_move(cluster):
+    before = {m["role"]: scrape(m["port"]) for m in cluster.metrics}
+    reply = asyncio.run(generate(cluster.nats_url, prompt="Metrics, my lord", max_tokens=12))
+    asyncio.run(wait_all_free(cluster.nats_url))  # a heartbeat later, gauges are current too
+    after = {m["role"]: scrape(m["port"]) for m in cluster.metrics}
+    assert set(after) == {"registry", "router", "prefill", "decode"}
+    outcome = f"baton_requests_total[('outcome', '{reply.finish_reason}')]"
+    assert after["router"][outcome] == before["router"].get(outcome, 0) + 1
+    assert after["router"]["baton_ttft_seconds_count"] > before["router"]["baton_ttft_seconds_count"]
+    assert after["prefill"]["baton_transfer_bytes_total"] > before["prefill"]["baton_transfer_bytes_total"]
+    assert after["decode"]["baton_generated_tokens_total"] >= before["decode"]["baton_generated_tokens_total"] + 11
+    assert after["decode"]["baton_spec_verify_steps_total"] > before["decode"]["baton_spec_verify_steps_total"]
+    assert after["decode"]["baton_free_slots"] == 16 and after["registry"]["baton_workers[('role', 'decode')]"] == 1

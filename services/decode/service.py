@@ -32,6 +32,8 @@ from baton.shared.model.checkpoint import fingerprint, load_model
 from baton.shared.transfer.agent import TransferAgent
 from baton.shared.transfer.arrivals import EventKind
 
+from baton.shared.metrics import ServiceMetrics, log_request
+
 from ..router.flow import request_tag
 from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration,
                       regions_of)
@@ -66,6 +68,7 @@ class DecodeWorker:
         self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=self.lookup)
         self.peers: set[str] = set()
         self.requests_total = 0
+        self.metrics = ServiceMetrics("decode")
         self.engine = EngineThread()
         self.requests: dict[int, Request] = {}  # by tag
         self.wake = asyncio.Event()
@@ -74,10 +77,15 @@ class DecodeWorker:
 
     def load(self) -> WorkerLoad:
         free = self.store.free_capacity()
+        self.metrics.free_pages.set(free.pages)
+        self.metrics.free_slots.set(free.slots)
+        self.metrics.queue.set(sum(1 for r in self.requests.values() if not r.started))
+        self.metrics.active.set(sum(1 for r in self.requests.values() if r.started))
         return WorkerLoad(free_pages=free.pages, free_slots=free.slots, active_requests=len(self.requests),
                           queued_prompt_tokens=0, requests_total=self.requests_total)
 
     async def run(self, stop: asyncio.Event) -> None:
+        self.metrics.serve_from_env()
         async with self.agent:
             tasks = [asyncio.create_task(self._arrivals(), name="arrivals"),
                      asyncio.create_task(self._step_loop(), name="decode-steps")]
@@ -212,13 +220,25 @@ class DecodeWorker:
                 except asyncio.TimeoutError:
                     pass
                 continue
+            started = time.perf_counter()
             emitted = await self.engine.call(self.runner.step, [r.seq for _, r in batch])
+            self.metrics.step_seconds.observe(time.perf_counter() - started)
+            self.metrics.tokens.inc(sum(len(t) for t in emitted))
             for (tag, req), tokens in zip(batch, emitted):
                 if tokens and not req.abort:
                     await self._publish(req, tokens)
 
     async def _finish(self, tag: int, req: Request, reason: str) -> None:
         await self._publish(req, [], finish_reason=reason)
+        stats = req.seq.stats
+        self.metrics.requests.labels(reason).inc()
+        self.metrics.verify_steps.inc(stats.verify_steps)
+        self.metrics.drafted.inc(stats.drafted)
+        self.metrics.accepted.inc(stats.accepted)
+        if stats.verify_steps:
+            self.metrics.acceptance_length.observe(stats.acceptance_length())
+        log_request("decode", req.seq.request_id, outcome=reason, completion_tokens=len(req.seq.output),
+                    draft_state=req.draft_state, **stats.as_dict())
         await self.engine.call(self.store.free, req.seq.request_id)
         self.requests.pop(tag, None)
 

@@ -31,6 +31,8 @@ from baton.shared.model.checkpoint import fingerprint, load_model
 from baton.shared.transfer.agent import TransferAgent
 from baton.shared.transfer.regions import Descriptor
 
+from baton.shared.metrics import ServiceMetrics, log_request
+
 from ..router.flow import request_tag
 from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration,
                       regions_of)
@@ -68,13 +70,18 @@ class PrefillWorker:
         self.membership = Membership(bus, registration(config, self.manifest, self.agent.metadata(),
                                                        self.model.cfg.max_position_embeddings), self.load)
         self._tasks: set[asyncio.Task] = set()
+        self.metrics = ServiceMetrics("prefill")
 
     def load(self) -> WorkerLoad:
         free = self.store.free_capacity()
+        self.metrics.free_pages.set(free.pages)
+        self.metrics.free_slots.set(free.slots)
+        self.metrics.queue.set(self.queue.qsize())
         return WorkerLoad(free_pages=free.pages, free_slots=free.slots, active_requests=self.active,
                           queued_prompt_tokens=self.queued_tokens, requests_total=self.requests_total)
 
     async def run(self, stop: asyncio.Event) -> None:
+        self.metrics.serve_from_env()
         async with self.agent:
             await self.bus.serve(subjects.prefill_dispatch(self.config.worker_id), PrefillDispatch, self.dispatch)
             await on_worker_left(self.bus, self._peer_left)
@@ -124,6 +131,7 @@ class PrefillWorker:
                         job.done.set_exception(BatonError(ErrorCode.INTERNAL, f"prefill failed: {exc}"))
                 continue
             prefill_ms = (time.monotonic() - started) * 1000
+            self.metrics.prefill_seconds.observe(prefill_ms / 1000)
             for job, (first, descriptors) in zip(jobs, outputs):
                 if descriptors is None:
                     continue
@@ -171,6 +179,15 @@ class PrefillWorker:
                                             self.config.transfer_deadline_s)
         finally:
             await self.engine.call(self.store.free, rid)  # nothing of ours is in flight any more
+        self.metrics.requests.labels(result.status.value).inc()
+        log_request("prefill", rid, outcome=result.status.value, prompt_tokens=len(job.dispatch.token_ids),
+                    prefill_ms=round(prefill_ms, 2), transfer_ms=round(result.seconds * 1000, 2),
+                    transfer_bytes=result.nbytes, decode=job.dispatch.decode_worker_id, error=result.error or None)
+        if result.ok:
+            self.metrics.transfer_bytes.inc(result.nbytes)
+            self.metrics.transfer_seconds.observe(result.seconds)
+        else:
+            self.metrics.transfer_failures.inc()
         if job.done.done():
             return
         if not result.ok:

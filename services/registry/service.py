@@ -25,6 +25,7 @@ from baton.shared.kv.codec import CodecError, from_plain, to_plain
 from baton.shared.kv.descriptors import PlanError
 from baton.shared.kv.manifest import Manifest, ManifestError, validate_manifest
 from baton.shared.kv.plan import make_plan
+from baton.shared.metrics import ServiceMetrics
 from baton.shared.model.config import ModelConfig
 
 log = logging.getLogger("baton.registry")
@@ -42,6 +43,7 @@ class Registry:
         self.bus, self.kv, self.model, self.config = bus, kv, model, config
         self._known: dict[str, str] = {}  # worker id -> role, as of the last sweep
         self._plans: dict[tuple[str, str, int, int], dict] = {}  # (p, d, revisions) -> plan
+        self.metrics = ServiceMetrics("registry")
 
     @classmethod
     async def open(cls, bus: Bus, model: ModelConfig, config: RegistryConfig = RegistryConfig()) -> "Registry":
@@ -52,6 +54,7 @@ class Registry:
         return registry
 
     async def serve(self) -> None:
+        self.metrics.serve_from_env()
         q = subjects.REGISTRY_QUEUE
         await self.bus.serve(subjects.REGISTER, WorkerRegistration, self.register, queue=q)
         await self.bus.serve(subjects.HEARTBEAT, Heartbeat, self.heartbeat, queue=q)
@@ -71,6 +74,7 @@ class Registry:
         if self._known.get(reg.worker_id) is None:
             self._known[reg.worker_id] = reg.role
             await self._event("joined", reg.worker_id, reg.role)
+        self.metrics.requests.labels("registered").inc()
         log.info("registered %s %s", reg.role, reg.worker_id)
         return RegisterReply(lease_ms=int(self.config.lease_s * 1000))
 
@@ -117,7 +121,10 @@ class Registry:
             except Exception as exc:  # JetStream briefly unavailable: try again next round
                 log.warning("sweep failed: %s", exc)
                 continue
+            for role in ("prefill", "decode"):
+                self.metrics.workers.labels(role).set(sum(1 for r in self._known.values() if r == role))
             for worker_id in [w for w in self._known if w not in alive]:
+                self.metrics.expired.inc()
                 role = self._known.pop(worker_id)
                 log.warning("lease expired: %s %s", role, worker_id)
                 await self._event("left", worker_id, role, "lease expired")

@@ -66,6 +66,7 @@ class Flow:
         self.bus, self.directory, self.timeouts = bus, directory, timeouts
         self.request_id, self.token_ids, self.max_tokens, self.sampling = request_id, token_ids, max_tokens, sampling
         self.attempt_id = request_id  # the id decode and prefill see; a retry gets a fresh one
+        self.served_by = ""  # "prefill->decode" of the last attempt, for the request log
         self.events: asyncio.Queue = asyncio.Queue()
         self.decode_id: str | None = None
         self.prefill_id: str | None = None
@@ -170,6 +171,7 @@ class Flow:
                     continue
                 raise
             self.decode_id, self.prefill_id = decode_id, prefill_id
+            self.served_by = f"{prefill_id}->{decode_id}"
             return reply, plan
         raise last if last.code != ErrorCode.UNAVAILABLE else BatonError(ErrorCode.BUSY, f"no decode capacity: {last.message}")
 

@@ -19,6 +19,8 @@ from baton.shared.bus import Bus
 from baton.shared.model.config import ModelConfig
 from baton.shared.model.tokenizer import TextTokenizer
 
+from baton.shared.metrics import ServiceMetrics, log_request
+
 from .directory import Directory
 from .flow import Flow, RouterTimeouts
 from .text import TextStream
@@ -38,9 +40,11 @@ class Router:
         self.directory = Directory(bus)
         self.directory.on_left = self._worker_left
         self.flows: dict[str, Flow] = {}
+        self.metrics = ServiceMetrics("router")
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
+        self.metrics.serve_from_env()
         await self.directory.start()
         self._tasks.append(asyncio.create_task(self.directory.refresh_forever(), name="directory"))
         await self.bus.serve(subjects.GENERATE, GenerateRequest, self.generate, queue=subjects.ROUTER_QUEUE,
@@ -111,9 +115,15 @@ class Router:
         flow = Flow(self.bus, self.directory, self.config.timeouts, request_id, ids, req.max_tokens, sampling)
         text, n_tokens, ttft = TextStream(self.tokenizer, req.stop), 0, None
         self.flows[request_id] = flow
+        self.metrics.in_flight.inc()
+        last_chunk = None
         try:
             async for new_ids in flow.tokens():
-                ttft = ttft if ttft is not None else (time.monotonic() - started) * 1000
+                now = time.monotonic()
+                if last_chunk is not None:
+                    self.metrics.itl.observe(now - last_chunk)
+                last_chunk = now
+                ttft = ttft if ttft is not None else (now - started) * 1000
                 ids_out, delta = text.add(new_ids)
                 n_tokens += len(ids_out)
                 if ids_out or delta:
@@ -122,11 +132,19 @@ class Router:
                     flow.cancel("stop string")
         finally:
             self.flows.pop(request_id, None)
+            self.metrics.in_flight.dec()
         outcome = flow.outcome
+        total = (time.monotonic() - started) * 1000
+        reason = "stop" if text.stopped else outcome.finish_reason
+        result = outcome.error.code.value if outcome.error is not None else reason
+        self.metrics.requests.labels(result).inc()
+        self.metrics.e2e.observe(total / 1000)
+        if ttft is not None:
+            self.metrics.ttft.observe(ttft / 1000)
+        log_request("router", request_id, outcome=result, prompt_tokens=len(ids), completion_tokens=n_tokens,
+                    ttft_ms=ttft, total_ms=round(total, 2), workers=flow.served_by, spec=outcome.spec)
         if outcome.error is not None:
             raise outcome.error
-        reason = "stop" if text.stopped else outcome.finish_reason
-        total = (time.monotonic() - started) * 1000
         yield [], text.finish()
         yield "done", dict(finish_reason=reason, usage=Usage(prompt_tokens=len(ids), completion_tokens=n_tokens),
                            spec=SpecStats(**outcome.spec),

@@ -1,0 +1,287 @@
+"""The aggregated baseline's scheduler: prefill and decode in one process, on one KVStore.
+
+Continuous batching on one engine thread. Each turn of the loop:
+
+    reap    finished or aborted requests: free their KV, end their token streams
+    admit   waiting requests (FIFO; at most `prefill_tokens` prompt tokens per turn, and only
+            while fewer than `max_batch` run) are prefilled in one batched, chunked forward:
+            target (+ the MTP layer over the prompt's window), first token
+    step    one decode step over every running request (draft -> verify -> accept)
+
+It is the same engine code as the prefill and decode services (`ModelRunner`), with the handoff
+done as `LocalEngine` does it: by sharing the store, with no NATS hop and no NIXL transfer.
+Because prefill runs between decode steps, a long prompt stalls every running stream for the
+time of its prefill; that stall is what disaggregation removes, and what `bench/sweep.py`
+measures.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+
+from baton.proto.errors import BatonError, ErrorCode
+from baton.shared.engine.runner import ModelRunner, SpecConfig
+from baton.shared.engine.sampling import SamplingParams
+from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
+from baton.shared.kv.allocator import KVError, OutOfCapacity
+from baton.shared.kv.store import KVStore
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared.model.model import BatonLM
+
+from ..worker import EngineThread
+
+log = logging.getLogger("baton.aggregated")
+
+
+@dataclass(frozen=True)
+class AggregatedConfig:
+    model: Path = DEFAULT_MODEL_DIR
+    mode: str = "ring"  # sliding-window storage: ring | paged
+    num_pages: int = 2048
+    page_size: int = 16
+    num_slots: int = 64  # requests resident at once (waiting + running); beyond: busy
+    spec: bool = True
+    draft_tokens: int = 3
+    draft_state: str = "transfer"  # transfer (draft window filled at prefill) | rebuild | cold
+    prefill_chunk: int = 256
+    max_batch: int = 64  # sequences per decode step
+    prefill_tokens: int = 4096  # prompt tokens prefilled per turn (at least one prompt): bounds a decode stall
+    threads: int = 0  # torch threads; 0 = leave torch's default
+    max_in_flight: int = 1024  # generate requests handled at once; beyond: busy
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "num_slots", "prefill_chunk", "max_batch", "prefill_tokens",
+                     "max_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        SpecConfig(self.spec, self.draft_tokens, self.draft_state)  # validates the speculation options
+
+    @property
+    def spec_config(self) -> SpecConfig:
+        return SpecConfig(self.spec, self.draft_tokens, self.draft_state)
+
+    @classmethod
+    def from_args(cls, args) -> "AggregatedConfig":
+        """From an argparse namespace with the `baton serve` worker options (`--kv-mode`,
+        `--spec mtp|off`, ...); options it lacks keep their defaults. A WorkerConfig works too."""
+        if isinstance(args, cls):
+            return args
+        names = {f.name for f in fields(cls)}
+        values = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+        if getattr(args, "kv_mode", None) is not None:
+            values["mode"] = args.kv_mode
+        if isinstance(values.get("spec"), str):
+            values["spec"] = values["spec"] == "mtp"
+        if "model" in values:
+            values["model"] = Path(values["model"])
+        return cls(**values)
+
+
+@dataclass
+class Outcome:
+    """How a request ended (the router's Flow has the same fields)."""
+    finish_reason: str | None = None
+    error: BatonError | None = None
+    spec: dict = field(default_factory=lambda: {"verify_steps": 0, "drafted": 0, "accepted": 0})
+
+
+class Job:
+    """One request in the engine. Its tokens arrive on `tokens()`; `cancel()` stops it at the
+    next step boundary (ending with finish_reason "abort"). Same surface as the router's Flow."""
+
+    def __init__(self, seq: Sequence, decode_gen: torch.Generator | None, wake: asyncio.Event) -> None:
+        self.seq, self.decode_gen, self._wake = seq, decode_gen, wake
+        self.outcome = Outcome()
+        self.abort = ""  # set by cancel(); the loop reaps the job at the next turn
+        self.done = False
+        self._events: asyncio.Queue = asyncio.Queue()
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        if not self.done and not self.abort:
+            self.abort = reason
+            self._wake.set()
+
+    def worker_left(self, worker_id: str, reason: str) -> None:
+        """Flow's hook for a departed worker: an in-process job has none."""
+
+    async def tokens(self) -> AsyncIterator[list[int]]:
+        """Token ids as they are generated; afterwards `outcome` says how the request ended."""
+        while True:
+            kind, value = await self._events.get()
+            if kind == "tokens":
+                yield value
+            elif kind == "end":
+                self.outcome.finish_reason = value
+                self.outcome.spec = self.seq.stats.as_dict()
+                return
+            else:
+                self.outcome.error = value
+                return
+
+    # --- called by the engine loop ------------------------------------------------------------
+    def _push(self, tokens: list[int]) -> None:
+        if tokens:
+            self._events.put_nowait(("tokens", tokens))
+
+    def _end(self, finish_reason: str) -> None:
+        if not self.done:
+            self.done = True
+            self._events.put_nowait(("end", finish_reason))
+
+    def _fail(self, error: BatonError) -> None:
+        if not self.done:
+            self.done = True
+            self._events.put_nowait(("error", error))
+
+
+class AggregatedEngine:
+    """Owns the model runner, the store and the engine thread; `submit` a request, read its job."""
+
+    def __init__(self, model: BatonLM, config: AggregatedConfig = AggregatedConfig()) -> None:
+        self.config, self.spec = config, config.spec_config
+        self.store = KVStore(model.cfg, mode=config.mode, num_pages=config.num_pages, page_size=config.page_size,
+                             num_slots=config.num_slots, max_draft_tokens=config.draft_tokens,
+                             draft_enabled=config.spec)
+        self.runner = ModelRunner(model, self.store, self.spec, config.prefill_chunk)
+        self.window = model.cfg.sliding_window
+        self.thread = EngineThread()
+        self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []
+        self.steps = 0  # decode steps run (for tests and logs)
+        self.wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._loop(), name="aggregated-engine")
+
+    async def close(self, reason: str = "the service is shutting down") -> None:
+        """Fail what is still in flight with `unavailable`, stop the loop, free everything."""
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        jobs = list(self.waiting) + self.running
+        self.waiting.clear()
+        self.running.clear()
+        await self.thread.call(self._free, [j.request_id for j in jobs])
+        for job in jobs:
+            job._fail(BatonError(ErrorCode.UNAVAILABLE, reason))
+        self.thread.close()
+
+    async def submit(self, request_id: str, prompt: list[int], max_tokens: int, params: SamplingParams,
+                     stop_token_ids: list[int] = ()) -> Job:
+        """Reserve KV for the request (busy when full) and queue it for prefill.
+
+        Seeds as in the disaggregated system: the first token is drawn with `params.seed`
+        (prefill's stream), later ones with the seed salted as decode salts it, so a seeded
+        sampled request gives the same tokens either way."""
+        if self._closed:
+            raise BatonError(ErrorCode.UNAVAILABLE, "the service is shutting down")
+        seq = Sequence(request_id, list(prompt), max_tokens, params, frozenset(stop_token_ids))
+        decode_gen = None
+        if not params.greedy:
+            decode_gen = seq.gen if params.seed is None else \
+                torch.Generator().manual_seed((params.seed ^ DECODE_SEED_SALT) % 2**64)
+        positions = len(seq.prompt) + max_tokens + self.spec.draft_tokens + 1  # + one verify block
+        try:
+            await self.thread.call(self.store.allocate, request_id, positions)
+        except OutOfCapacity as exc:
+            raise BatonError(ErrorCode.BUSY, f"aggregated: {exc}") from None
+        except KVError as exc:
+            raise BatonError(ErrorCode.BAD_REQUEST, f"aggregated: {exc}") from None
+        job = Job(seq, decode_gen, self.wake)
+        self.waiting.append(job)
+        self.wake.set()
+        return job
+
+    # --- the loop -----------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            await self._reap()
+            if batch := self._admissible():
+                await self._admit(batch)
+            if active := [j for j in self.running if not (j.abort or j.seq.finish_reason)]:
+                await self._step(active)
+            elif not self.running and not self.waiting:
+                self.wake.clear()
+                await self.wake.wait()
+
+    async def _reap(self) -> None:
+        ended = [j for j in self.running if j.abort or j.seq.finish_reason] + [j for j in self.waiting if j.abort]
+        if not ended:
+            return
+        self.running = [j for j in self.running if j not in ended]
+        self.waiting = deque(j for j in self.waiting if j not in ended)
+        await self.thread.call(self._free, [j.request_id for j in ended])
+        for job in ended:
+            job._end(job.seq.finish_reason or "abort")
+
+    def _admissible(self) -> list[Job]:
+        batch, tokens = [], 0
+        while self.waiting and len(self.running) + len(batch) < self.config.max_batch:
+            n = len(self.waiting[0].seq.prompt)
+            if batch and tokens + n > self.config.prefill_tokens:
+                break
+            batch.append(self.waiting.popleft())
+            tokens += n
+        return batch
+
+    async def _admit(self, batch: list[Job]) -> None:
+        try:
+            await self.thread.call(self._prefill, batch)
+        except Exception as exc:  # noqa: BLE001 - the batch fails, the engine goes on
+            log.exception("prefill of %d requests failed", len(batch))
+            await self._fail(batch, exc)
+            return
+        for job in batch:
+            job._push(job.seq.output[:])
+        self.running += batch
+
+    async def _step(self, jobs: list[Job]) -> None:
+        try:
+            emitted = await self.thread.call(self.runner.step, [j.seq for j in jobs])
+        except Exception as exc:  # noqa: BLE001
+            log.exception("decode step over %d requests failed", len(jobs))
+            self.running = [j for j in self.running if j not in jobs]
+            await self._fail(jobs, exc)
+            return
+        self.steps += 1
+        for job, tokens in zip(jobs, emitted):
+            if not job.abort:
+                job._push(tokens)
+
+    async def _fail(self, jobs: list[Job], exc: Exception) -> None:
+        await self.thread.call(self._free, [j.request_id for j in jobs])
+        for job in jobs:
+            job._fail(BatonError(ErrorCode.INTERNAL, f"request {job.request_id} failed: {type(exc).__name__}: {exc}"))
+
+    # --- engine thread ------------------------------------------------------------------------
+    def _prefill(self, batch: list[Job]) -> None:
+        """Prefill the prompts and start decoding them, exactly as prefill + decode would."""
+        seqs = [j.seq for j in batch]
+        state = self.spec.draft_state if self.spec.enabled else "cold"
+        for job, out in zip(batch, self.runner.prefill(seqs)):
+            seq = job.seq
+            if self.spec.enabled and state == "transfer":
+                self.runner.fill_draft_window(seq, out.hidden)
+            tail = out.hidden[-self.window:] if state == "rebuild" else out.hidden[-1:]
+            self.runner.start_decode(seq, out.first_token, tail, state)
+            seq.gen = job.decode_gen  # decode draws from its own stream (see submit)
+
+    def _free(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            try:
+                self.store.free(rid)
+            except KVError:
+                pass  # already freed

@@ -1,0 +1,116 @@
+"""aggregated: the baseline for comparison, one process doing prefill and decode together.
+
+It serves the public API itself (`baton.v1.generate` and `baton.v1.cancel`, in the routers'
+queue group) with the router's own request handling: the same validation, tokenization, text
+deltas, stop strings, stream chunks and summaries (it is a `Router` whose flows are jobs of the
+in-process `AggregatedEngine` instead of prefill -> NIXL -> decode). No registry, no NIXL.
+
+    python -m baton.services.aggregated --nats-url nats://127.0.0.1:4222
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+import torch
+
+from baton.proto import subjects
+from baton.proto.public import CancelRequest, GenerateRequest, SpecStats, Timing, Usage
+from baton.shared.bus import Bus
+from baton.shared.engine.sampling import SamplingParams
+from baton.shared.model.checkpoint import load_model
+from baton.shared.model.tokenizer import TextTokenizer
+
+from ..router.service import Router, RouterConfig
+from ..router.text import TextStream
+from .engine import AggregatedConfig, AggregatedEngine
+
+log = logging.getLogger("baton.aggregated")
+
+
+class AggregatedService(Router):
+    """The router's public handlers over an in-process engine."""
+
+    def __init__(self, bus: Bus, engine: AggregatedEngine, tokenizer: TextTokenizer,
+                 config: RouterConfig = RouterConfig()) -> None:
+        super().__init__(bus, engine.runner.model.cfg, tokenizer, config)
+        self.engine = engine
+
+    async def start(self) -> None:
+        await self.bus.serve(subjects.GENERATE, GenerateRequest, self.generate, queue=subjects.ROUTER_QUEUE,
+                             max_in_flight=self.config.max_in_flight)
+        await self.bus.serve(subjects.CANCEL, CancelRequest, self.cancel, queue=subjects.ROUTER_QUEUE)
+        await self.bus.serve(subjects.ROUTER_CANCEL, CancelRequest, self.cancel_owned)
+
+    async def stop(self) -> None:
+        for job in self.flows.values():
+            job.cancel("service shutting down")
+
+    async def _run(self, req: GenerateRequest, request_id: str, ids: list[int]) -> AsyncIterator[tuple]:
+        """As Router._run: yields (token_ids, text) deltas, then one final ("done", summary)."""
+        started = time.monotonic()
+        stop_ids = list(req.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            stop_ids.append(self.tokenizer.eos_token_id)
+        params = SamplingParams(req.temperature, req.top_p, req.seed)
+        job = await self.engine.submit(request_id, ids, req.max_tokens, params, stop_ids)
+        text, n_tokens, ttft = TextStream(self.tokenizer, req.stop), 0, None
+        self.flows[request_id] = job
+        try:
+            async for new_ids in job.tokens():
+                ttft = ttft if ttft is not None else (time.monotonic() - started) * 1000
+                ids_out, delta = text.add(new_ids)
+                n_tokens += len(ids_out)
+                if ids_out or delta:
+                    yield ids_out, delta
+                if text.stopped:
+                    job.cancel("stop string")
+        finally:
+            self.flows.pop(request_id, None)
+            job.cancel("the client went away")  # no-op when it ended; else it leaves the batch
+        outcome = job.outcome
+        if outcome.error is not None:
+            raise outcome.error
+        reason = "stop" if text.stopped else outcome.finish_reason
+        total = (time.monotonic() - started) * 1000
+        yield [], text.finish()
+        yield "done", dict(finish_reason=reason, usage=Usage(prompt_tokens=len(ids), completion_tokens=n_tokens),
+                           spec=SpecStats(**outcome.spec),
+                           timing=Timing(ttft_ms=ttft if ttft is not None else total, total_ms=total))
+
+
+async def open_service(bus: Bus, args_or_config) -> AggregatedService:
+    """Load the model, start the engine and serve the public subjects on `bus`.
+
+    `args_or_config`: an AggregatedConfig, or an argparse namespace / WorkerConfig with the
+    `baton serve` worker options (see AggregatedConfig.from_args)."""
+    config = AggregatedConfig.from_args(args_or_config)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    engine = AggregatedEngine(load_model(config.model), config)
+    service = AggregatedService(bus, engine, TextTokenizer.load(config.model),
+                                RouterConfig(max_in_flight=config.max_in_flight))
+    await engine.start()
+    await service.start()
+    log.info("serving %s (spec %s, k=%d, draft state %s, %d slots)", subjects.GENERATE,
+             "mtp" if config.spec else "off", config.draft_tokens, config.draft_state, config.num_slots)
+    return service
+
+
+async def close_service(service: AggregatedService, grace_s: float = 10.0) -> None:
+    """Stop taking requests, let those in flight finish for `grace_s`, close the bus and engine."""
+    try:
+        await service.bus.close(grace_s=grace_s)
+    finally:
+        await service.stop()
+        await service.engine.close()
+
+
+async def serve(stop: asyncio.Event, bus: Bus, args_or_config) -> None:
+    """Serve until `stop` is set; then finish in-flight requests (10 s grace) and close `bus`."""
+    service = await open_service(bus, args_or_config)
+    await stop.wait()
+    log.info("stopping: no new requests; %d in flight", len(service.flows))
+    await close_service(service)

@@ -1,0 +1,282 @@
+"""The OpenAI wire format, without sockets: request bodies -> GenerateRequest, replies and stream
+chunks -> OpenAI JSON, Baton error codes -> HTTP statuses and OpenAI error bodies.
+
+What is supported, and what is refused with 400 rather than silently ignored, is listed in
+docs/deployment.md ("OpenAI-compatible HTTP"). Unknown body fields are ignored (as vLLM does),
+so clients that send extra options keep working.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.public import GenerateReply, GenerateRequest, StreamChunk, Usage
+
+# Baton error code -> (HTTP status, OpenAI error type). busy is 429 so clients back off and retry
+# (the openai client does, honouring Retry-After); a missing router is 503.
+STATUS: dict[ErrorCode, tuple[int, str]] = {
+    ErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
+    ErrorCode.BUSY: (429, "rate_limit_error"),
+    ErrorCode.TIMEOUT: (504, "timeout_error"),
+    ErrorCode.INTERNAL: (500, "server_error"),
+    ErrorCode.UNAVAILABLE: (503, "service_unavailable_error"),
+}
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+FINISH_REASONS = {"length": "length", "stop": "stop", "abort": "abort", "error": "error"}
+
+
+class HttpError(Exception):
+    """An error answered as `{"error": {...}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+    @classmethod
+    def from_baton(cls, exc: BatonError) -> "HttpError":
+        status, kind = STATUS[exc.code]
+        return cls(status, exc.message, kind, exc.code.value)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> HttpError:
+    return HttpError(400, message, code=ErrorCode.BAD_REQUEST.value, param=param)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One parsed OpenAI request: what goes to the router, and how to shape the answer."""
+    kind: str  # "completion" | "chat"
+    model: str
+    request: GenerateRequest
+    include_usage: bool = False  # stream_options.include_usage
+    return_token_ids: bool = False  # vLLM's extension: choices carry "token_ids"
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def response_id(self) -> str:
+        return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.id}"
+
+    @property
+    def stream(self) -> bool:
+        return self.request.stream
+
+
+# --- parsing ---------------------------------------------------------------------------------
+def _get(body: dict, name: str, types: type | tuple, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise bad(f"'{name}': expected {_names(types)}, got a boolean", name)
+    if not isinstance(value, types):
+        raise bad(f"'{name}': expected {_names(types)}, got {type(value).__name__}", name)
+    return value
+
+
+def _names(types: type | tuple) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join({"int": "integer", "float": "number", "str": "string", "bool": "boolean",
+                        "list": "array", "dict": "object"}.get(t.__name__, t.__name__) for t in types)
+
+
+def _unsupported(body: dict, name: str, allowed: tuple = (None, False, 0, [], {}, "")) -> None:
+    """Refuse a feature Baton lacks unless the value asks for nothing (types matter: True is not 1)."""
+    value = body.get(name)
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise bad(f"'{name}' is not supported by Baton (got {value!r})", name)
+
+
+def _common(body: dict, served_model: str, max_tokens: int) -> dict[str, Any]:
+    """Fields completions and chat share; returns GenerateRequest keyword arguments."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = _get(body, "model", str, served_model)
+    if model != served_model:
+        raise HttpError(404, f"the model '{model}' does not exist; this server serves '{served_model}'",
+                        code="model_not_found", param="model")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _get(body, name, (int, float), 0) != 0:
+            raise bad(f"'{name}' is not supported by Baton", name)
+    if _get(body, "n", int, 1) != 1:
+        raise bad("'n': only 1 choice per request is supported", "n")
+    for name in ("logit_bias", "ignore_eos", "min_tokens", "tools", "functions"):
+        _unsupported(body, name)
+    fmt = _get(body, "response_format", dict, {"type": "text"})
+    if fmt.get("type") != "text":
+        raise bad("'response_format': only {\"type\": \"text\"} is supported", "response_format")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad("'stop': expected a string or an array of strings", "stop")
+    stop_ids = _get(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
+        raise bad("'stop_token_ids': expected an array of token ids", "stop_token_ids")
+    seed = _get(body, "seed", int)
+    if seed is not None and not 0 <= seed < 2 ** 64:
+        raise bad(f"'seed': must be in 0..2^64-1, got {seed}", "seed")
+    temperature = float(_get(body, "temperature", (int, float), 1.0))
+    top_p = float(_get(body, "top_p", (int, float), 1.0))
+    if not 0 <= temperature <= 2:
+        raise bad(f"'temperature': must be in [0, 2], got {temperature}", "temperature")
+    if not 0 < top_p <= 1:
+        raise bad(f"'top_p': must be in (0, 1], got {top_p}", "top_p")
+    if max_tokens < 1:
+        raise bad(f"'max_tokens': must be at least 1, got {max_tokens}", "max_tokens")
+    return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                stream=_get(body, "stream", bool, False), stop=stop, stop_token_ids=stop_ids)
+
+
+def _options(body: dict) -> dict[str, Any]:
+    options = _get(body, "stream_options", dict, {})
+    return dict(include_usage=bool(options.get("include_usage")) and bool(body.get("stream")),
+                return_token_ids=_get(body, "return_token_ids", bool, False))
+
+
+def parse_completion(body: dict, served_model: str) -> Call:
+    """POST /v1/completions. `prompt`: a string, an array of token ids, or a one-element array of
+    either (OpenAI's batch form with one prompt)."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    for name in ("echo", "logprobs", "suffix"):
+        _unsupported(body, name)
+    _unsupported(body, "best_of", (None, 1))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    fields: dict[str, Any]
+    if isinstance(prompt, str):
+        fields = dict(prompt=prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise bad("'prompt': token ids must be >= 0", "prompt")
+        fields = dict(token_ids=prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise bad("'prompt': batches of several prompts are not supported; send one request per prompt", "prompt")
+    else:
+        raise bad("'prompt': expected a string or an array of token ids", "prompt")
+    max_tokens = _get(body, "max_tokens", int, COMPLETION_DEFAULT_MAX_TOKENS)
+    request = GenerateRequest(**fields, **_common(body, served_model, max_tokens))
+    return Call("completion", body.get("model") or served_model, request, **_options(body))
+
+
+ROLES = {"system": "SYSTEM", "developer": "SYSTEM", "user": "USER", "assistant": "ASSISTANT"}
+
+
+def render_chat(messages: Any) -> str:
+    """The chat template. baton-tiny was trained on plays, so a conversation is written as one:
+    each message is its speaker in capitals with a period on a line of its own, then the text,
+    then a blank line; the prompt ends with the assistant's name, for the model to speak next.
+
+        SYSTEM.\\nYou are terse.\\n\\nUSER.\\nHello\\n\\nASSISTANT.\\n
+    """
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages': expected a non-empty array of messages", "messages")
+    parts = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad(f"'messages[{i}]': expected an object", "messages")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad(f"'messages[{i}].role': must be one of {', '.join(ROLES)}; got {role!r}", "messages")
+        parts.append(f"{ROLES[role]}.\n{_content(message.get('content'), i)}\n\n")
+    return "".join(parts) + "ASSISTANT.\n"
+
+
+def _content(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise bad(f"'messages[{i}].content': expected a string or an array of text parts", "messages")
+
+
+def parse_chat(body: dict, served_model: str, default_max_tokens: int) -> Call:
+    """POST /v1/chat/completions: messages rendered by `render_chat` into one text prompt."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _unsupported(body, "logprobs")
+    _unsupported(body, "top_logprobs")
+    _unsupported(body, "tool_choice", (None, "none", "auto"))
+    prompt = render_chat(body.get("messages"))
+    max_tokens = _get(body, "max_completion_tokens", int) or _get(body, "max_tokens", int, default_max_tokens)
+    request = GenerateRequest(prompt=prompt, **_common(body, served_model, max_tokens))
+    return Call("chat", body.get("model") or served_model, request, **_options(body))
+
+
+def with_request_id(call: Call, request_id: str | None) -> Call:
+    """The id the router knows the request by (so it can be cancelled when the client leaves)."""
+    return replace(call, request=replace(call.request, request_id=request_id or f"http-{call.id}"))
+
+
+# --- answers ---------------------------------------------------------------------------------
+def usage(u: Usage | None) -> dict[str, int] | None:
+    if u is None:
+        return None
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+def _choice(call: Call, text: str, token_ids: list[int], finish_reason: str | None, delta: bool) -> dict:
+    reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
+    if call.kind == "chat":
+        body = {"delta": {"content": text} if text or not reason else {}} if delta else \
+            {"message": {"role": "assistant", "content": text}}
+        choice = {"index": 0, **body, "logprobs": None, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    if call.return_token_ids:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def response(call: Call, reply: GenerateReply) -> dict[str, Any]:
+    """The non-streaming answer."""
+    return {"id": call.response_id, "object": "chat.completion" if call.kind == "chat" else "text_completion",
+            "created": call.created, "model": call.model,
+            "choices": [_choice(call, reply.text, reply.token_ids, reply.finish_reason, delta=False)],
+            "usage": usage(reply.usage), "system_fingerprint": None}
+
+
+def _chunk(call: Call, choices: list[dict], usage_value: dict | None = None) -> dict[str, Any]:
+    chunk = {"id": call.response_id, "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
+             "created": call.created, "model": call.model, "choices": choices, "system_fingerprint": None}
+    if call.include_usage:
+        chunk["usage"] = usage_value
+    return chunk
+
+
+def first_chunks(call: Call) -> list[dict[str, Any]]:
+    """Sent before any text: chat opens with the assistant's role, as OpenAI does."""
+    if call.kind != "chat":
+        return []
+    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    return [_chunk(call, [choice])]
+
+
+def stream_chunks(call: Call, chunk: StreamChunk) -> list[dict[str, Any]]:
+    """OpenAI chunks for one Baton StreamChunk: a text delta, the finish, and (when asked) usage."""
+    out = []
+    if chunk.text or chunk.token_ids or chunk.finished:
+        out.append(_chunk(call, [_choice(call, chunk.text, list(chunk.token_ids),
+                                         chunk.finish_reason if chunk.finished else None, delta=True)]))
+    if chunk.finished and call.include_usage:
+        out.append(_chunk(call, [], usage(chunk.usage)))
+    return out
+
+
+def models(served_model: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(served_model, created)]}
+
+
+def model_card(served_model: str, created: int) -> dict[str, Any]:
+    return {"id": served_model, "object": "model", "created": created, "owned_by": "baton"}
