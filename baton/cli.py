@@ -1,4 +1,9 @@
-"""The `baton` command line: up, serve, generate, demo."""
+"""The `baton` command line: up, serve, generate, demo, config show, health.
+
+Settings come from one typed config (baton.shared.config): defaults < TOML file (--config or
+BATON_CONFIG) < environment (BATON_<SECTION>_<KEY>) < the flags below. A flag left out leaves the
+lower layers alone, which is why every config-backed flag defaults to None here.
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,23 +13,43 @@ import os
 import sys
 from pathlib import Path
 
-from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared import config as configuration
+from baton.shared.config import DEFAULT_MODEL_DIR, Config, ConfigError
 
-ROLES = ("registry", "router", "prefill", "decode")
+ROLES = ("registry", "router", "prefill", "decode", "http", "aggregated")  # aggregated: the baseline, not in compose
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+# argparse dest -> config key, for every config-backed flag
+FLAG_KEYS: dict[str, str] = {_dest(flag): dotted for flag, dotted in configuration.FLAGS.items()}
+
+
+def add_config_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=None,
+                   help="TOML config file (default: $BATON_CONFIG); see `baton config show`")
 
 
 def add_worker_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("prefill/decode workers")
-    g.add_argument("--spec", choices=("mtp", "off"), default="mtp", help="speculative decoding with the MTP draft")
-    g.add_argument("--draft-tokens", type=int, default=3, help="draft tokens per verify step (k)")
-    g.add_argument("--draft-state", choices=("transfer", "rebuild", "cold"), default="transfer",
+    g = p.add_argument_group("prefill/decode workers ([worker] in the config)")
+    g.add_argument("--spec", choices=("mtp", "off"), help="speculative decoding with the MTP draft (default mtp)")
+    g.add_argument("--draft-tokens", type=int, help="draft tokens per verify step, k (default 3)")
+    g.add_argument("--draft-state", choices=("transfer", "rebuild", "cold"),
                    help="how decode's draft window starts: sent by prefill, rebuilt from hidden states, or empty")
-    g.add_argument("--kv-mode", choices=("ring", "paged"), default="ring", help="sliding-window KV storage")
-    g.add_argument("--num-pages", type=int, default=2048)
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--num-slots", type=int, default=64, help="requests resident at once per worker")
-    g.add_argument("--max-batch", type=int, default=64)
-    g.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch default)")
+    g.add_argument("--kv-mode", choices=("ring", "paged"), help="sliding-window KV storage (default ring)")
+    g.add_argument("--num-pages", type=int, help="default 2048")
+    g.add_argument("--page-size", type=int, help="default 16")
+    g.add_argument("--num-slots", type=int, help="requests resident at once per worker (default 64)")
+    g.add_argument("--max-batch", type=int, help="default 64")
+    g.add_argument("--threads", type=int, help="torch threads per worker (0: torch default)")
+
+
+def add_http_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("OpenAI-compatible HTTP frontend ([http] in the config)")
+    g.add_argument("--http-host", help="bind address (default 127.0.0.1)")
+    g.add_argument("--http-port", type=int, help="port (default 8000)")
 
 
 def worker_argv(args) -> list[str]:
@@ -42,26 +67,54 @@ def default_nats_url() -> str:
     return "nats://127.0.0.1:4222"
 
 
+def effective_config(args: argparse.Namespace) -> Config:
+    """The config for this command: the flags the user actually gave override file and env."""
+    flags = {dotted: getattr(args, dest) for dest, dotted in FLAG_KEYS.items() if getattr(args, dest, None) is not None}
+    return configuration.load(getattr(args, "config", None), flags=flags)
+
+
+def apply_config(cfg: Config, args: argparse.Namespace) -> argparse.Namespace:
+    """Write the effective values back onto the flags' attributes, so `baton up` and `baton serve`
+    (and what they pass on to child processes) see one consistent set."""
+    for dest, dotted in FLAG_KEYS.items():
+        if hasattr(args, dest):
+            setattr(args, dest, cfg.get(dotted))
+    if hasattr(args, "model"):
+        args.model = Path(cfg.model.path)
+    if hasattr(args, "nats_url"):
+        args.nats_url = cfg.nats.url or None
+    if hasattr(args, "nats_port"):
+        args.nats_port = cfg.up.nats_port or None
+    args.settings = cfg
+    return args
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="baton", description="Disaggregated LLM serving with speculative decoding.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start an embedded nats-server and every service; wait")
+    add_config_option(up)
     up.add_argument("--nats-url", help="use this NATS server instead of starting one")
     up.add_argument("--nats-port", type=int, help="port for the embedded server (default: a free one)")
-    up.add_argument("--prefill", type=int, default=1)
-    up.add_argument("--decode", type=int, default=1)
-    up.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    up.add_argument("--log-dir", default=os.environ.get("BATON_LOG_DIR", "baton-logs"))
-    up.add_argument("--ready-timeout", type=float, default=180.0)
+    up.add_argument("--prefill", type=int, help="prefill workers (default 1)")
+    up.add_argument("--decode", type=int, help="decode workers (default 1)")
+    up.add_argument("--model", type=Path, help=f"model directory (default {DEFAULT_MODEL_DIR})")
+    up.add_argument("--log-dir", help="one log per service (default baton-logs)")
+    up.add_argument("--ready-timeout", type=float, help="seconds (default 180)")
+    up.add_argument("--http", action="store_true", default=None,
+                    help="also start the OpenAI-compatible HTTP frontend (`baton serve http`)")
+    add_http_options(up)
     add_worker_options(up)
 
     serve = sub.add_parser("serve", help="run one service")
     serve.add_argument("role", choices=ROLES)
+    add_config_option(serve)
     serve.add_argument("--nats-url", default=None)
-    serve.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    serve.add_argument("--worker-id", default="")
-    serve.add_argument("--log-level", default=os.environ.get("BATON_LOG_LEVEL", "INFO"))
+    serve.add_argument("--model", type=Path)
+    serve.add_argument("--worker-id")
+    serve.add_argument("--log-level")
+    add_http_options(serve)
     add_worker_options(serve)
 
     gen = sub.add_parser("generate", help="send one request and print the reply")
@@ -77,23 +130,63 @@ def parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="start everything, send a few requests, print them, stop")
     demo.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+
+    cfg = sub.add_parser("config", help="inspect the configuration")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    show = cfg_sub.add_parser("show", help="print the effective config (file < env < flags) as TOML")
+    add_config_option(show)
+    show.add_argument("--json", action="store_true", help="print JSON instead of annotated TOML")
+    show.add_argument("--reveal", action="store_true", help="print secrets (passwords, tokens) unmasked")
+    show.add_argument("--nats-url")
+    show.add_argument("--model", type=Path)
+    show.add_argument("--worker-id")
+    show.add_argument("--log-level")
+    show.add_argument("--log-dir")
+    show.add_argument("--prefill", type=int)
+    show.add_argument("--decode", type=int)
+    show.add_argument("--http", action="store_true", default=None)
+    add_http_options(show)
+    add_worker_options(show)
+
+    health = sub.add_parser("health", help="exit 0 when a service on this machine reports itself healthy "
+                                           "(for container health checks)")
+    health.add_argument("role", choices=ROLES)
+    add_config_option(health)
+    add_http_options(health)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "demo":
+        from baton.demo import demo
+        return demo(args)
+    try:
+        cfg = effective_config(args)
+    except ConfigError as exc:
+        print(f"baton: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    apply_config(cfg, args)
     if args.command == "up":
+        if args.config is not None:  # the children read the same file
+            os.environ[configuration.CONFIG_ENV] = str(args.config.resolve())
         from baton.up import run_up
         return run_up(args, worker_argv(args))
     if args.command == "serve":
         from baton.serve import serve
-        return serve(args)
+        return serve(args, cfg)
     if args.command == "generate":
         from baton.client import generate
         return asyncio.run(generate(args, args.nats_url or default_nats_url()))
-    if args.command == "demo":
-        from baton.demo import demo
-        return demo(args)
+    if args.command == "config":
+        print(json.dumps(configuration.as_dict(cfg, args.reveal), indent=2) if args.json
+              else configuration.to_toml(cfg, args.reveal), end="\n" if args.json else "")
+        return 0
+    if args.command == "health":
+        from baton.serve import health_check
+        ok, detail = health_check(args.role, cfg)
+        print(f"baton {args.role}: {'healthy' if ok else 'unhealthy'}: {detail}", file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
     return 2
 
 

@@ -1,20 +1,36 @@
-"""`baton serve <role>`: one service process on one event loop, stopped by SIGTERM/SIGINT."""
+"""`baton serve <role>`: one service process on one event loop, stopped by SIGTERM/SIGINT.
+
+Every role is built from the one effective config (baton.shared.config). Beside the service, the
+process keeps a health file fresh (`baton health <role>` reads it: container health checks) and,
+with `metrics.port`, serves Prometheus metrics.
+"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import os
+import time
+from pathlib import Path
+from typing import Awaitable, Callable
 
 from baton.proto.errors import BatonError
 from baton.shared.bus import Bus
-from baton.shared.model.config import ModelConfig
+from baton.shared.config import Config
 from baton.services.runtime import run_service, setup_logging
 
 log = logging.getLogger("baton.serve")
 
 
-async def _registry(stop: asyncio.Event, bus: Bus, args) -> None:
+def _model_config(cfg: Config):
+    from baton.shared.model.config import ModelConfig
+    return ModelConfig.load(Path(cfg.model.path))
+
+
+async def _registry(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
     from baton.services.registry.service import Registry
-    registry = await Registry.open(bus, ModelConfig.load(args.model))
+    registry = await Registry.open(bus, _model_config(cfg))
     await registry.serve()
     sweeper = asyncio.create_task(registry.sweep_forever(), name="lease-sweeper")
     await stop.wait()
@@ -22,49 +38,187 @@ async def _registry(stop: asyncio.Event, bus: Bus, args) -> None:
     await bus.close()
 
 
-async def _router(stop: asyncio.Event, bus: Bus, args) -> None:
-    from baton.services.router.service import Router, RouterConfig
+def router_config(cfg: Config):
+    from baton.services.router.service import RouterConfig
+    from baton.services.router.flow import RouterTimeouts
+    r = cfg.router
+    return RouterConfig(timeouts=RouterTimeouts(request_s=r.request_timeout_s, first_token_s=r.first_token_timeout_s,
+                                                idle_s=r.idle_timeout_s, control_s=r.control_timeout_s),
+                        max_in_flight=r.max_in_flight)
+
+
+async def _router(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
+    from baton.services.router.service import Router
     from baton.shared.model.tokenizer import TextTokenizer
-    router = Router(bus, ModelConfig.load(args.model), TextTokenizer.load(args.model), RouterConfig())
+    router = Router(bus, _model_config(cfg), TextTokenizer.load(Path(cfg.model.path)), router_config(cfg))
     await router.start()
     await stop.wait()
     await router.stop()
     await bus.close(grace_s=10.0)
 
 
-def _worker_config(args):
+def worker_config(role: str, cfg: Config):
+    """services.worker.WorkerConfig from the [worker] and [model] sections."""
     from baton.services.worker import WorkerConfig
-    return WorkerConfig(role=args.role, model=args.model, worker_id=args.worker_id, mode=args.kv_mode,
-                        num_pages=args.num_pages, page_size=args.page_size, num_slots=args.num_slots,
-                        spec=args.spec == "mtp", draft_tokens=args.draft_tokens, draft_state=args.draft_state,
-                        max_batch=args.max_batch, threads=args.threads)
+    w = cfg.worker
+    return WorkerConfig(role=role, model=Path(cfg.model.path), worker_id=w.id, mode=w.kv_mode,
+                        num_pages=w.num_pages, page_size=w.page_size, num_slots=w.num_slots,
+                        spec=w.spec == "mtp", draft_tokens=w.draft_tokens, draft_state=w.draft_state,
+                        prefill_chunk=w.prefill_chunk, max_batch=w.max_batch,
+                        transfer_deadline_s=w.transfer_deadline_s, threads=w.threads)
 
 
-async def _prefill(stop: asyncio.Event, bus: Bus, args) -> None:
-    from baton.services.prefill.service import serve
-    await serve(stop, bus, _worker_config(args))
+async def _http(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
+    from baton.services.http.server import serve
+    await serve(stop, bus, cfg)
 
 
-async def _decode(stop: asyncio.Event, bus: Bus, args) -> None:
-    from baton.services.decode.service import serve
-    await serve(stop, bus, _worker_config(args))
+async def _aggregated(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
+    """The aggregated baseline (prefill and decode in one process; services/aggregated)."""
+    from baton.services.aggregated.service import serve
+    await serve(stop, bus, worker_config("aggregated", cfg))
 
 
-SERVICES = {"registry": _registry, "router": _router, "prefill": _prefill, "decode": _decode}
+SERVICES = {"registry": _registry, "router": _router, "http": _http, "aggregated": _aggregated}
 
 
-def serve(args) -> int:
-    setup_logging(args.role, args.log_level)
+# --- health ----------------------------------------------------------------------------------
+def health_file(role: str, cfg: Config, pid: int | None = None) -> Path:
+    return Path(cfg.health.dir) / f"baton-{role}-{os.getpid() if pid is None else pid}.health"
+
+
+def _probe(role: str, bus: Bus, worker_id: str | None) -> Callable[[], Awaitable[str | None]]:
+    """None when healthy, else why not: connected to NATS, serving (registry, router), or
+    registered with the registry (prefill, decode)."""
+    async def probe() -> str | None:
+        if not bus.connection.is_connected:
+            return "not connected to NATS"
+        if role in ("registry", "router", "aggregated") and not bus.endpoints:
+            return "not serving yet"
+        if worker_id is not None:
+            from baton.proto import subjects
+            from baton.proto.internal import LookupReply, LookupRequest
+            try:
+                reply = await bus.request(subjects.LOOKUP, LookupRequest(worker_id=worker_id), LookupReply, timeout=2.0)
+            except BatonError as exc:
+                return f"registry lookup failed: {exc}"
+            if not reply.workers:
+                return f"{worker_id} is not registered"
+        return None
+    return probe
+
+
+def remove_stale_health_files(directory: Path, role: str) -> None:
+    """Files left by processes of `role` that died without cleaning up (killed, crashed)."""
+    for path in directory.glob(f"baton-{role}-*.health"):
+        try:
+            os.kill(int(path.stem.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (ValueError, OSError):
+            pass
+
+
+async def keep_health_file(path: Path, role: str, probe: Callable[[], Awaitable[str | None]], interval_s: float) -> None:
+    """Rewrite `path` every `interval_s` with the probe's verdict; `baton health` reads it."""
+    remove_stale_health_files(path.parent, role)
+    while True:
+        try:
+            problem = await probe()
+        except Exception as exc:  # noqa: BLE001 - a failing probe is an unhealthy service, not a crash
+            problem = f"probe failed: {type(exc).__name__}: {exc}"
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps({"role": role, "pid": os.getpid(), "time": time.time(),
+                                       "ok": problem is None, "detail": problem or "ok"}))
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("cannot write health file %s: %s", path, exc)
+        await asyncio.sleep(interval_s)
+
+
+def health_check(role: str, cfg: Config) -> tuple[bool, str]:
+    """For `baton health ROLE`: the HTTP frontend is asked over HTTP (/health); other roles are
+    healthy when some process of that role on this machine wrote a fresh, good health file."""
+    if role == "http":
+        import urllib.error
+        import urllib.request
+        host = "127.0.0.1" if cfg.http.host in ("0.0.0.0", "::", "") else cfg.http.host
+        url = f"http://{host}:{cfg.http.port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return True, f"{url}: {resp.read().decode()}"
+        except urllib.error.HTTPError as exc:
+            return False, f"{url}: {exc.code} {exc.read().decode(errors='replace')}"
+        except OSError as exc:
+            return False, f"{url}: {exc}"
+    now, reports = time.time(), []
+    for path in sorted(Path(cfg.health.dir).glob(f"baton-{role}-*.health")):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        age = now - report.get("time", 0)
+        if report.get("ok") and age <= cfg.health.max_age_s:
+            return True, f"pid {report.get('pid')}: {report.get('detail')} ({age:.0f} s ago)"
+        reports.append(f"pid {report.get('pid')}: {report.get('detail')} ({age:.0f} s ago)")
+    return False, "; ".join(reports) or f"no health file for {role} in {cfg.health.dir}"
+
+
+# --- running ---------------------------------------------------------------------------------
+def serve(args, cfg: Config | None = None) -> int:
+    if cfg is None:
+        from baton.cli import effective_config
+        cfg = effective_config(args)
+    role = args.role
+    setup_logging(role, cfg.log.level.upper())
     from baton.cli import default_nats_url
-    url = args.nats_url or default_nats_url()
+    url = cfg.nats_servers() or default_nats_url()
+    if cfg.metrics.port:
+        import prometheus_client
+        try:
+            prometheus_client.start_http_server(cfg.metrics.port)
+        except OSError as exc:
+            log.error("metrics.port %d (from %s): %s", cfg.metrics.port, cfg.source("metrics.port"), exc)
+            return 1
+        log.info("Prometheus metrics on :%d/metrics", cfg.metrics.port)
 
     async def main(stop: asyncio.Event) -> None:
+        limits = None
+        if role == "router":
+            from baton.proto.limits import Limits
+            limits = Limits(max_tokens=cfg.router.max_tokens)
         try:
-            bus = await Bus.connect(url, f"baton-{args.role}")
+            bus = await Bus.connect(url, f"baton-{role}", **cfg.nats_options(), **({"limits": limits} if limits else {}))
         except BatonError as exc:
             log.error("%s", exc)
             raise SystemExit(1)
-        await SERVICES[args.role](stop, bus, args)
-        log.info("%s stopped", args.role)
+        worker = worker_config(role, cfg) if role in ("prefill", "decode") else None
+        path = health_file(role, cfg)
+        keeper = None
+        if role != "http":  # the frontend answers /health itself
+            keeper = asyncio.create_task(keep_health_file(path, role, _probe(role, bus, worker and worker.worker_id),
+                                                          cfg.health.interval_s), name="health")
+        try:
+            if worker is not None:
+                await _worker(role, stop, bus, worker)
+            else:
+                await SERVICES[role](stop, bus, cfg)
+        finally:
+            if keeper is not None:
+                keeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await keeper
+            path.unlink(missing_ok=True)
+        log.info("%s stopped", role)
 
     return run_service(main)
+
+
+async def _worker(role: str, stop: asyncio.Event, bus: Bus, worker) -> None:
+    if role == "prefill":
+        from baton.services.prefill.service import serve as serve_prefill
+        await serve_prefill(stop, bus, worker)
+    else:
+        from baton.services.decode.service import serve as serve_decode
+        await serve_decode(stop, bus, worker)

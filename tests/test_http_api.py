@@ -1,0 +1,135 @@
+"""The OpenAI wire format without sockets: parsing into GenerateRequest, the chat template, answers
+and stream chunks, and the error-code -> HTTP status table."""
+import pytest
+
+from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.public import GenerateReply, SpecStats, StreamChunk, Timing, Usage
+from baton.services.http import api
+from baton.services.http.api import HttpError
+
+pytestmark = pytest.mark.unit
+MODEL = "baton-tiny"
+
+
+def test_completion_prompt_forms():
+    assert api.parse_completion({"model": MODEL, "prompt": "hi"}, MODEL).request.prompt == "hi"
+    assert api.parse_completion({"model": MODEL, "prompt": ["hi"]}, MODEL).request.prompt == "hi"
+    assert api.parse_completion({"model": MODEL, "prompt": [1, 2, 3]}, MODEL).request.token_ids == [1, 2, 3]
+    assert api.parse_completion({"model": MODEL, "prompt": [[4, 5]]}, MODEL).request.token_ids == [4, 5]
+    call = api.parse_completion({"prompt": "hi"}, MODEL)  # model may be left out
+    assert call.model == MODEL and call.kind == "completion" and call.response_id.startswith("cmpl-")
+
+
+def test_openai_defaults_and_mapped_fields():
+    r = api.parse_completion({"model": MODEL, "prompt": "hi"}, MODEL).request
+    assert (r.max_tokens, r.temperature, r.top_p, r.stream, r.stop) == (16, 1.0, 1.0, False, [])
+    call = api.parse_completion({"model": MODEL, "prompt": "hi", "max_tokens": 7, "temperature": 0, "top_p": 0.5,
+                                 "seed": 3, "stop": "\n", "stream": True, "stream_options": {"include_usage": True},
+                                 "stop_token_ids": [2], "return_token_ids": True, "user": "x", "n": 1,
+                                 "presence_penalty": 0, "logprobs": None, "unknown_extension": 1}, MODEL)
+    r = call.request
+    assert (r.max_tokens, r.temperature, r.top_p, r.seed, r.stop, r.stream, r.stop_token_ids) == \
+        (7, 0.0, 0.5, 3, ["\n"], True, [2])
+    assert call.include_usage and call.return_token_ids
+    chat = api.parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, MODEL, 99)
+    assert chat.request.max_tokens == 99 and chat.response_id.startswith("chatcmpl-")
+    chat = api.parse_chat({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5,
+                           "max_tokens": 9}, MODEL, 99)
+    assert chat.request.max_tokens == 5
+
+
+def test_chat_template_is_a_play_script():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who goes there?"},
+                {"role": "assistant", "content": [{"type": "text", "text": "A friend."}]},
+                {"role": "user", "content": "Stand."}]
+    assert api.render_chat(messages) == ("SYSTEM.\nBe brief.\n\nUSER.\nWho goes there?\n\nASSISTANT.\nA friend.\n\n"
+                                         "USER.\nStand.\n\nASSISTANT.\n")
+
+
+@pytest.mark.parametrize("body, param, status", [
+    ({"prompt": ""}, None, None),  # empty prompt: the router refuses it (bad_request from NATS)
+    ({"prompt": 3}, "prompt", 400),
+    ({"prompt": ["a", "b"]}, "prompt", 400),
+    ({"prompt": [1, -2]}, "prompt", 400),
+    ({"prompt": "x", "model": "gpt-4"}, "model", 404),
+    ({"prompt": "x", "n": 2}, "n", 400),
+    ({"prompt": "x", "echo": True}, "echo", 400),
+    ({"prompt": "x", "logprobs": 2}, "logprobs", 400),
+    ({"prompt": "x", "best_of": 3}, "best_of", 400),
+    ({"prompt": "x", "ignore_eos": True}, "ignore_eos", 400),
+    ({"prompt": "x", "max_tokens": "10"}, "max_tokens", 400),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", 400),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", 400),
+    ({"prompt": "x", "temperature": 3}, "temperature", 400),
+    ({"prompt": "x", "top_p": 0}, "top_p", 400),
+    ({"prompt": "x", "seed": -1}, "seed", 400),
+    ({"prompt": "x", "stop": [1]}, "stop", 400),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", 400),
+    ({"prompt": "x", "stream": "yes"}, "stream", 400),
+])
+def test_bad_completion_fields_are_400_naming_the_param(body, param, status):
+    if status is None:
+        api.parse_completion(body, MODEL)
+        return
+    with pytest.raises(HttpError) as exc:
+        api.parse_completion(body, MODEL)
+    assert exc.value.status == status and exc.value.param == param
+    body = exc.value.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+
+
+@pytest.mark.parametrize("messages", [None, [], ["hi"], [{"role": "narrator", "content": "x"}],
+                                      [{"role": "user", "content": 3}],
+                                      [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]])
+def test_bad_chat_messages_are_400(messages):
+    with pytest.raises(HttpError) as exc:
+        api.parse_chat({"messages": messages}, MODEL, 16)
+    assert exc.value.status == 400 and exc.value.param == "messages"
+
+
+def test_tools_are_refused_not_ignored():
+    with pytest.raises(HttpError, match="tools"):
+        api.parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, MODEL, 16)
+
+
+def test_every_error_code_has_a_status():
+    assert {code: api.STATUS[code][0] for code in ErrorCode} == {
+        ErrorCode.BAD_REQUEST: 400, ErrorCode.TOO_LARGE: 413, ErrorCode.BUSY: 429, ErrorCode.TIMEOUT: 504,
+        ErrorCode.INTERNAL: 500, ErrorCode.UNAVAILABLE: 503}
+    err = HttpError.from_baton(BatonError(ErrorCode.BUSY, "full"))
+    assert err.body() == {"error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "busy"}}
+
+
+def reply() -> GenerateReply:
+    return GenerateReply(request_id="r", token_ids=[5, 6], text=" to be", finish_reason="length",
+                         usage=Usage(prompt_tokens=3, completion_tokens=2), spec=SpecStats(),
+                         timing=Timing(ttft_ms=1.0, total_ms=2.0))
+
+
+def test_answers_have_the_openai_shape():
+    call = api.parse_completion({"prompt": "x", "return_token_ids": True}, MODEL)
+    body = api.response(call, reply())
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["choices"] == [{"index": 0, "text": " to be", "logprobs": None, "finish_reason": "length",
+                                "token_ids": [5, 6]}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    chat = api.response(api.parse_chat({"messages": [{"role": "user", "content": "x"}]}, MODEL, 8), reply())
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": " to be"}
+
+
+def test_stream_chunks():
+    call = api.parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
+                           "stream_options": {"include_usage": True}}, MODEL, 8)
+    opening, = api.first_chunks(call)
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""} and opening["usage"] is None
+    middle = api.stream_chunks(call, StreamChunk(request_id="r", token_ids=[5], text=" to"))
+    assert [c["choices"][0]["delta"] for c in middle] == [{"content": " to"}]
+    last = api.stream_chunks(call, StreamChunk(request_id="r", token_ids=[], text="", finished=True,
+                                               finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=1),
+                                               spec=SpecStats(), timing=Timing(ttft_ms=1.0, total_ms=2.0)))
+    assert last[0]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert last[1]["choices"] == [] and last[1]["usage"]["total_tokens"] == 4
+    plain = api.parse_completion({"prompt": "x", "stream": True}, MODEL)
+    assert api.first_chunks(plain) == []
+    assert "usage" not in api.stream_chunks(plain, StreamChunk(request_id="r", token_ids=[5], text=" to"))[0]

@@ -1,0 +1,151 @@
+"""End to end through HTTP: `baton up --http` (its own nats-server, service processes, NIXL) driven
+by the official openai client. Greedy completions and chats, unary and streamed, carry exactly the
+tokens and text of the same request over the NATS API; real router errors keep their statuses; a
+client that leaves mid-stream frees its decode capacity; `baton health` sees every service."""
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import openai
+import pytest
+
+from baton.proto import subjects
+from baton.proto.public import GenerateReply, GenerateRequest
+from baton.services.http.api import render_chat
+from baton.shared.bus import Bus
+from baton.shared.bus.server import free_port
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared.model.heldout import heldout_prompts
+from baton.shared.model.tokenizer import TextTokenizer
+from e2e_cluster import print_logs, wait_all_free
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+MODEL = "baton-tiny"
+WORKER_FLAGS = ["--threads", "1", "--num-pages", "512", "--num-slots", "16"]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    """`baton up --http` as a user runs it; yields (NATS URL, OpenAI base URL, HTTP port, log dir)."""
+    tmp = tmp_path_factory.mktemp("up")
+    port = free_port()
+    env = {**os.environ, "BATON_STATE": str(tmp / "up.json")}
+    proc = subprocess.Popen([sys.executable, "-m", "baton", "up", "--http", "--http-port", str(port),
+                             "--log-dir", str(tmp / "logs"), *WORKER_FLAGS], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        while True:
+            line = lines.get(timeout=300)
+            if line.startswith("baton ready:"):
+                break
+            assert proc.poll() is None, f"baton up exited: {line}"
+        nats_url = re.search(r"baton ready: (\S+)", line).group(1)
+        base = re.search(r"OpenAI API on (\S+)", line).group(1)
+        yield nats_url, base, port, tmp / "logs"
+    except BaseException:
+        print_logs(str(tmp / "logs"))
+        raise
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(up):
+    return openai.OpenAI(base_url=up[1], api_key="none", max_retries=0, timeout=300)
+
+
+async def nats_generate(url: str, **fields) -> GenerateReply:
+    async with await Bus.connect(url, "test") as bus:
+        return await bus.request(subjects.GENERATE, GenerateRequest(**fields), GenerateReply, timeout=300)
+
+
+def stream_text(stream) -> tuple[str, list[int], str | None, object]:
+    text, ids, reason, usage = "", [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+            ids += (choice.model_extra or {}).get("token_ids", [])
+            reason = choice.finish_reason or reason
+    return text, ids, reason, usage
+
+
+def test_greedy_completions_match_the_nats_api(up, client):
+    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
+    for prompt in ("To be, or not to be, that is the question:", heldout_prompts(tok, 1, 80, seed=3)[0]):
+        field = {"prompt": prompt} if isinstance(prompt, str) else {"token_ids": prompt}
+        want = asyncio.run(nats_generate(up[0], **field, max_tokens=32))
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        choice = got.choices[0]
+        assert choice.model_extra["token_ids"] == want.token_ids and choice.text == want.text
+        assert choice.finish_reason == want.finish_reason
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == \
+            (want.usage.prompt_tokens, want.usage.completion_tokens)
+        streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0, stream=True,
+                                             stream_options={"include_usage": True},
+                                             extra_body={"return_token_ids": True})
+        text, ids, reason, usage = stream_text(streamed)
+        assert (text, ids, reason) == (want.text, want.token_ids, want.finish_reason)
+        assert usage.completion_tokens == want.usage.completion_tokens
+
+
+def test_greedy_chat_matches_the_nats_api_with_the_rendered_prompt(up, client):
+    messages = [{"role": "system", "content": "A scene in Verona."}, {"role": "user", "content": "Who is there?"}]
+    want = asyncio.run(nats_generate(up[0], prompt=render_chat(messages), max_tokens=24, stop=["\n\n"]))
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=["\n\n"])
+    assert got.choices[0].message.content == want.text and got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.completion_tokens == want.usage.completion_tokens
+    text, _, reason, _ = stream_text(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                                                     temperature=0, stop=["\n\n"], stream=True))
+    assert (text, reason) == (want.text, want.finish_reason)
+
+
+def test_router_errors_keep_their_status(up, client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
+    assert exc.value.body["code"] == "bad_request" and "max_tokens" in exc.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt=[5, 999_999], max_tokens=4)
+    assert "vocabulary" in exc.value.body["message"]
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.completions.create(model=MODEL, prompt="x" * 600_000, max_tokens=4)
+    assert (exc.value.status_code, exc.value.body["code"]) == (413, "too_large")
+    with pytest.raises(openai.APIStatusError) as exc:  # prompt + max_tokens beyond the model's context
+        client.completions.create(model=MODEL, prompt=list(range(1000)) * 3, max_tokens=4000, stream=True)
+    assert (exc.value.status_code, exc.value.body["code"]) == (413, "too_large")
+
+
+def test_leaving_mid_stream_frees_the_capacity(up, client):
+    stream = client.completions.create(model=MODEL, prompt="Now is the winter of our discontent", max_tokens=400,
+                                       temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    asyncio.run(wait_all_free(up[0], timeout_s=30))
+    http_log = "".join(path.read_text() for path in up[3].glob("http-*.log"))
+    assert re.search(r"cancelled http-\w+ \(was running: True\)", http_log), http_log[-2000:]
+    assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=4).choices[0].text is not None
+
+
+def test_baton_health_sees_every_service(up):
+    for role in ("registry", "router", "prefill", "decode", "http"):
+        done = subprocess.run([sys.executable, "-m", "baton", "health", role, "--http-port", str(up[2])],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, (role, done.stdout, done.stderr)
