@@ -73,7 +73,8 @@ def transfer_bytes(model, prompt_len: int, k: int) -> dict:
         src = KVStore(model.cfg, draft_enabled=mode == "transfer", **kw)
         dst = KVStore(model.cfg, draft_enabled=True, **kw)
         plan = make_plan(src.manifest("p", "fp", role="prefill"), dst.manifest("d", "fp", role="decode"))
-        a, b = src.allocate("r", prompt_len), dst.allocate("r", prompt_len + 8)
+        src.allocate("r", prompt_len)
+        dst.allocate("r", prompt_len + 8)
         src.extend("r", prompt_len)
         dst.extend("r", prompt_len)
         by_comp: dict[str, int] = {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from baton.shared.model.checkpoint import save_model
+from baton.shared.model.checkpoint import load_model, save_model
 from baton.shared.model.config import FULL, SLIDING, ModelConfig
 from baton.shared.model.dense_attention import DenseAttention
 from baton.shared.model.model import BatonLM
@@ -96,9 +97,9 @@ def heldout_loss(model: BatonLM, data: torch.Tensor, seq: int = 256, n: int = 16
     return F.cross_entropy(logits, ids[:, 1:].reshape(-1)).item()
 
 
-def train_target(model: BatonLM, data: torch.Tensor, minutes: float, batch: int, seq: int) -> dict:
+def train_target(model: BatonLM, data: torch.Tensor, minutes: float, batch: int, seq: int, peak_lr: float) -> dict:
     params = [p for n, p in model.named_parameters() if not n.startswith("mtp.")]
-    opt = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(0)
     attn = DenseAttention(model.cfg, batch, seq)
     pos = torch.arange(seq).repeat(batch)
@@ -106,11 +107,11 @@ def train_target(model: BatonLM, data: torch.Tensor, minutes: float, batch: int,
     bar = tqdm(desc="target", unit="step")
     step, loss = 0, float("nan")
     for ids in batches(data, batch, seq + 1, gen):
-        progress = (time.time() - t0) / budget
+        progress = (time.time() - t0) / budget if budget > 0 else 2.0
         if progress > 1:
             break
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, progress, 3e-3)
+            group["lr"] = lr_at(step, progress, peak_lr)
         h = model.forward_hidden(ids[:, :-1].reshape(-1), pos, attn)  # [B*S, d]
         loss_t = F.cross_entropy(model.logits(h), ids[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -176,6 +177,8 @@ def main() -> None:
     ap.add_argument("--mtp-minutes", type=float, default=5.0)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--init-from", type=Path, help="continue from this checkpoint (its tokenizer is kept)")
+    ap.add_argument("--target-lr", type=float, default=3e-3)
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(2)
@@ -183,15 +186,20 @@ def main() -> None:
     train_texts, heldout_texts = load_corpus(args.cache)
     args.out.mkdir(parents=True, exist_ok=True)
     (ROOT / "bench" / "heldout.txt").write_text("\n".join(heldout_texts))
-    tok = train_bpe(train_texts, 2048, args.out / "tokenizer.json")
+    if args.init_from:
+        tok = TextTokenizer.load(args.init_from)
+        model = load_model(args.init_from).train()
+        if args.init_from.resolve() != args.out.resolve():
+            shutil.copy(args.init_from / "tokenizer.json", args.out / "tokenizer.json")
+    else:
+        tok = train_bpe(train_texts, 2048, args.out / "tokenizer.json")
+        model = BatonLM(tiny_config(tok.vocab_size, tok.eos_token_id))
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                torch.nn.init.normal_(p, std=0.02)
     train_ids, heldout_ids = encode_all(tok, train_texts), encode_all(tok, heldout_texts)
     print(f"corpus: {len(train_ids):,} train tokens, {len(heldout_ids):,} held-out tokens")
-
-    model = BatonLM(tiny_config(tok.vocab_size, tok.eos_token_id))
-    for name, p in model.named_parameters():
-        if p.dim() > 1:
-            torch.nn.init.normal_(p, std=0.02)
-    target_stats = train_target(model, train_ids, args.target_minutes, args.batch, args.seq)
+    target_stats = train_target(model, train_ids, args.target_minutes, args.batch, args.seq, args.target_lr)
     target_stats["heldout_loss"] = heldout_loss(model, heldout_ids)
     print(f"target: {target_stats}")
     mtp_stats = train_mtp(model, train_ids, args.mtp_minutes, args.batch, args.seq)
@@ -199,7 +207,10 @@ def main() -> None:
     save_model(model, args.out)
     params = sum(p.numel() for p in model.parameters())
     report = {"parameters": params, "train_tokens_available": len(train_ids), "target": target_stats, "mtp": mtp_stats}
-    (args.out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    history_file = args.out / "training.json"
+    history = json.loads(history_file.read_text()) if args.init_from and history_file.exists() else {"runs": []}
+    history["runs"].append({"command": " ".join(sys.argv), **report})
+    history_file.write_text(json.dumps(history, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
 

@@ -4,9 +4,7 @@ import torch
 
 from baton.shared.engine.attention import Chunk, StoreAttention
 from baton.shared.kv.store import KVStore
-from baton.shared.model.config import FULL, SLIDING, ModelConfig
-from baton.shared.model.dense_attention import DenseAttention
-from baton.shared.model.model import BatonLM
+from tiny_model import dense_logits, tiny_model
 
 pytestmark = pytest.mark.unit
 W = 8
@@ -14,21 +12,7 @@ W = 8
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      layer_types=(SLIDING, FULL, SLIDING, FULL), sliding_window=W,
-                      num_nextn_predict_layers=1, mtp_layer_types=(SLIDING,))
-    torch.manual_seed(0)
-    m = BatonLM(cfg)
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return m.eval()
-
-
-def dense_logits(model, ids: list[int]) -> torch.Tensor:
-    L = len(ids)
-    h = model.forward_hidden(torch.tensor(ids), torch.arange(L), DenseAttention(model.cfg, 1, L))
-    return model.logits(h)  # [L, V]
+    return tiny_model(97, window=W)
 
 
 def store_forward(model, store, chunks, ids_per_chunk) -> torch.Tensor:

@@ -6,9 +6,8 @@ import torch
 from baton.shared.engine.local import LocalCapacity, LocalEngine
 from baton.shared.engine.runner import SpecConfig
 from baton.shared.engine.sequence import Sequence
-from baton.shared.model.config import FULL, SLIDING, ModelConfig
 from baton.shared.model.dense_attention import DenseAttention
-from baton.shared.model.model import BatonLM
+from tiny_model import tiny_model
 
 pytestmark = pytest.mark.unit
 W = 8
@@ -16,15 +15,7 @@ W = 8
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      layer_types=(SLIDING, FULL, SLIDING, FULL), sliding_window=W,
-                      num_nextn_predict_layers=1, mtp_layer_types=(SLIDING,))
-    torch.manual_seed(0)
-    m = BatonLM(cfg)
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return m.eval()
+    return tiny_model(61, window=W)
 
 
 @torch.no_grad()

@@ -11,9 +11,9 @@ from baton.shared.engine.local import LocalCapacity, LocalEngine
 from baton.shared.engine.runner import SpecConfig
 from baton.shared.engine.sampling import SamplingParams, accept_drafts, target_probs
 from baton.shared.engine.sequence import Sequence
-from baton.shared.model.config import FULL, SLIDING, ModelConfig
+from baton.shared.model.config import FULL, SLIDING
 from baton.shared.model.dense_attention import DenseAttention
-from baton.shared.model.model import BatonLM
+from tiny_model import tiny_model
 
 pytestmark = pytest.mark.unit
 
@@ -69,14 +69,7 @@ def test_accept_rule_matches_target_analytically():
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, layer_types=(SLIDING, FULL),
-                      sliding_window=4, num_nextn_predict_layers=1, mtp_layer_types=(SLIDING,))
-    torch.manual_seed(3)
-    m = BatonLM(cfg)
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    return m.eval()
+    return tiny_model(24, (SLIDING, FULL), window=4, seed=3, std=0.5)
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from baton.shared.model.tokenizer import TextTokenizer
 from e2e_cluster import Reference, running_cluster, wait_all_free
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-LEASE_S = 5.0  # registry lease: a killed worker is noticed within this plus a sweep
+LEASE_S = 10.0  # registry lease: a killed worker is noticed within this plus a sweep
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ BUCKET = "baton_workers"
 
 @dataclass(frozen=True)
 class RegistryConfig:
-    lease_s: float = 5.0  # a worker missing heartbeats this long is dropped
+    lease_s: float = 10.0  # a worker missing heartbeats this long is dropped (heartbeats every lease/4)
     sweep_s: float = 1.0
 
 
