@@ -131,6 +131,12 @@ def parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="start everything, send a few requests, print them, stop")
     demo.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
 
+    bench = sub.add_parser("bench", help="load-test a running deployment over the public NATS API",
+                           description="TTFT, ITL, latency percentiles, throughput, goodput and acceptance length "
+                                       "of a running deployment (see docs/benchmarks.md).")
+    from baton import loadtest
+    loadtest.add_arguments(bench)
+
     cfg = sub.add_parser("config", help="inspect the configuration")
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
     show = cfg_sub.add_parser("show", help="print the effective config (file < env < flags) as TOML")
@@ -161,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from baton.demo import demo
         return demo(args)
+    if args.command == "bench":
+        from baton import loadtest
+        return loadtest.main(args)
     try:
         cfg = effective_config(args)
     except ConfigError as exc:

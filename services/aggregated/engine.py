@@ -69,9 +69,13 @@ class AggregatedConfig:
     @classmethod
     def from_args(cls, args) -> "AggregatedConfig":
         """From an argparse namespace with the `baton serve` worker options (`--kv-mode`,
-        `--spec mtp|off`, ...); options it lacks keep their defaults. A WorkerConfig works too."""
+        `--spec mtp|off`, ...; options it lacks or leaves None keep their defaults), a
+        WorkerConfig, or the typed `baton.shared.config.Config` (its [worker] and [model])."""
         if isinstance(args, cls):
             return args
+        if hasattr(args, "worker") and hasattr(getattr(args, "model", None), "path"):  # a Config
+            from types import SimpleNamespace
+            args = SimpleNamespace(**vars(args.worker), model=args.model.path)
         names = {f.name for f in fields(cls)}
         values = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
         if getattr(args, "kv_mode", None) is not None:

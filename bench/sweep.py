@@ -1,0 +1,152 @@
+"""Disaggregated vs aggregated, in one run: a concurrency sweep with the same harness and workload.
+
+    python bench/sweep.py --concurrency 1,2,4 --requests 16 --max-tokens 32 --json out/sweep.json
+    python bench/sweep.py --input-len 32,1024 ...        # long prompts arriving among short ones
+
+(a) disaggregated: a nats-server plus registry, router, prefill and decode processes, as `baton up`
+    starts them (baton/up.py start_cluster); prefill and decode get --threads torch threads each.
+(b) aggregated: one process doing prefill and decode on one store
+    (`python -m baton.services.aggregated`), with --agg-threads torch threads (default: --threads,
+    like each disaggregated engine process).
+Each system gets its own nats-server and runs alone; `baton bench` (baton/loadtest.py) drives
+it over the public API. Prints both tables and a side-by-side one; writes JSON (and PNGs with
+--plot and matplotlib). Keep the defaults small on a 2-core machine: they finish in minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from baton import loadtest
+from baton.services.aggregated import launch
+from baton.shared.bus import NatsServer
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.up import start_cluster, wait_ready
+
+SYSTEMS = ("disaggregated", "aggregated")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="which to run, comma-separated")
+    ap.add_argument("--concurrency", default="1,2,4", help="levels, comma-separated")
+    ap.add_argument("--requests", type=int, default=16, help="measured requests per level")
+    ap.add_argument("--input-len", default="128", help="prompt tokens: N, LOW:HIGH or A,B,...")
+    ap.add_argument("--max-tokens", default="32", help="max_tokens: N, LOW:HIGH or A,B,...")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--slo-ttft-ms", type=float, default=None)
+    ap.add_argument("--slo-itl-ms", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--spec", choices=("mtp", "off"), default="mtp")
+    ap.add_argument("--draft-tokens", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per prefill / decode process")
+    ap.add_argument("--agg-threads", type=int, default=None, help="torch threads of the aggregated process "
+                    "(default: --threads, as each disaggregated engine process; 2 x was slower on 2 busy cores)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None, metavar="DIR", help="PNGs (needs matplotlib)")
+    ap.add_argument("--markdown", action="store_true", help="also print the side-by-side table as Markdown")
+    ap.add_argument("--log-dir", type=Path, default=None, help="service logs (default: a temporary folder)")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def bench_config(args: argparse.Namespace, url: str, label: str) -> loadtest.BenchConfig:
+    return loadtest.BenchConfig(
+        nats_url=url, requests=args.requests, concurrency=[int(c) for c in args.concurrency.split(",")],
+        input_len=args.input_len, max_tokens=args.max_tokens, model=args.model, warmup=args.warmup,
+        seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
+        progress=not args.no_progress, label=label)
+
+
+def worker_args(args: argparse.Namespace, threads: int) -> list[str]:
+    return ["--spec", args.spec, "--draft-tokens", str(args.draft_tokens), "--threads", str(threads)]
+
+
+def run_disaggregated(args: argparse.Namespace, log_dir: Path) -> dict:
+    ns = argparse.Namespace(model=args.model, prefill=1, decode=1, log_dir=str(log_dir / "disaggregated"),
+                            nats_url=None, nats_port=None)
+    cluster = start_cluster(ns, worker_args(args, args.threads))
+    try:
+        waited = asyncio.run(wait_ready(cluster.nats_url, cluster, 1, 1, 300.0))
+        print(f"disaggregated ready in {waited:.1f} s", file=sys.stderr)
+        return asyncio.run(loadtest.run_bench(bench_config(args, cluster.nats_url, "disaggregated")))
+    finally:
+        cluster.stop()
+
+
+def run_aggregated(args: argparse.Namespace, log_dir: Path) -> dict:
+    threads = args.agg_threads or args.threads
+    (log_dir / "aggregated").mkdir(parents=True, exist_ok=True)
+    with NatsServer(jetstream=False) as server:
+        with launch.running(server.url, worker_args(args, threads), log_dir / "aggregated" / "aggregated.log", 300.0):
+            return asyncio.run(loadtest.run_bench(bench_config(args, server.url, "aggregated")))
+
+
+def side_by_side(results: dict[str, dict], markdown: bool = False) -> str:
+    """One row per level; each cell `disaggregated / aggregated`."""
+    names = list(results)
+    cols = (("tok/s", lambda s: loadtest._f(s["output_tokens_per_s"])),
+            ("TTFT p50 ms", lambda s: loadtest._f(s["ttft_ms"]["p50"])),
+            ("TTFT p99 ms", lambda s: loadtest._f(s["ttft_ms"]["p99"])),
+            ("ITL p50 ms", lambda s: loadtest._f(s["itl_ms"]["p50"])),
+            ("ITL p99 ms", lambda s: loadtest._f(s["itl_ms"]["p99"])),
+            ("TPOT p50 ms", lambda s: loadtest._f(s["tpot_ms"]["p50"])),
+            ("E2E p50 ms", lambda s: loadtest._f(s["e2e_ms"]["p50"])),
+            ("tau", lambda s: loadtest._f(s["acceptance_length"], 2)),
+            ("errors", lambda s: str(sum(s["errors"].values()))))
+    levels = [run["name"] for run in results[names[0]]["runs"]]
+    by_level = {name: {run["name"]: run["summary"] for run in results[name]["runs"]} for name in names}
+    rows = []
+    for level in levels:
+        cells = [" / ".join(fn(by_level[n][level]) if level in by_level[n] else "-" for n in names) for _, fn in cols]
+        rows.append([level] + cells)
+    header = ["level"] + [c for c, _ in cols]
+    if markdown:
+        out = ["cells: " + " / ".join(names), "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) + 2 for i, h in enumerate(header)]
+    fmt = lambda r: "".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([f"cells: {' / '.join(names)}", fmt(header), "-" * sum(widths)] + [fmt(r) for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        print(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}", file=sys.stderr)
+        return 2
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="baton-sweep-"))
+    started = time.monotonic()
+    results = {}
+    for system in systems:
+        print(f"== {system} (logs in {log_dir / system})", file=sys.stderr)
+        results[system] = (run_disaggregated if system == "disaggregated" else run_aggregated)(args, log_dir)
+    elapsed = time.monotonic() - started
+    for system, result in results.items():
+        print(f"\n=== {system}\n{loadtest.format_report(result)}")
+    print("\n=== side by side\n" + side_by_side(results))
+    if args.markdown:
+        print("\n" + side_by_side(results, markdown=True))
+    print(f"\n(sweep took {elapsed:.0f} s; machine: {loadtest.machine_info()})")
+    if args.json:
+        loadtest.write_json({"tool": "bench/sweep.py", "argv": sys.argv[1:] if argv is None else argv,
+                             "machine": loadtest.machine_info(), "elapsed_s": elapsed, "systems": results}, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            for path in loadtest.plot(results, args.plot):
+                print(f"wrote {path}")
+        except ImportError:
+            print("--plot needs matplotlib (pip install matplotlib); no plots written", file=sys.stderr)
+    errors = sum(sum(run["summary"]["errors"].values()) for r in results.values() for run in r["runs"])
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The aggregated baseline: one process serving the public API with prefill and decode together.
+Greedy tokens equal `transformers` (and so the disaggregated system) with requests arriving while
+others decode; the router's handling (stream chunks, stop strings, cancel, errors) is the same;
+every KV page and slot comes back."""
+import argparse
+import asyncio
+import contextlib
+
+import pytest
+
+from baton.proto import subjects
+from baton.proto.errors import BatonError
+from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest, StreamChunk
+from baton.services.aggregated.engine import AggregatedConfig
+from baton.services.aggregated.service import close_service, open_service
+from baton.shared.bus import Bus, NatsServer
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
+from baton.shared.model.heldout import heldout_prompts
+from baton.shared.model.tokenizer import TextTokenizer
+from e2e_cluster import Reference
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+W = load_model().cfg.sliding_window
+PROMPT_LENGTHS = [W // 2, W, 4 * W + 5]
+
+
+@pytest.fixture(scope="module")
+def nats_url():
+    with NatsServer(jetstream=False) as server:  # its own server: no router shares the queue group
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Reference()
+
+
+def prompts() -> list[list[int]]:
+    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
+    return [heldout_prompts(tok, 1, n, seed=n)[0] for n in PROMPT_LENGTHS]
+
+
+@contextlib.asynccontextmanager
+async def aggregated(url: str, **config):
+    """The service in-process (its own bus) and a client bus; yields (client, engine)."""
+    service = await open_service(await Bus.connect(url, "aggregated"), AggregatedConfig(threads=1, **config))
+    client = await Bus.connect(url, "test-client")
+    try:
+        yield client, service.engine
+    finally:
+        await client.close()
+        await close_service(service)
+
+
+def assert_all_free(engine) -> None:
+    store = engine.store
+    store.check_integrity()
+    free = store.free_capacity()
+    assert free.slots == engine.config.num_slots and free.pages == engine.config.num_pages, free
+    assert not engine.running and not engine.waiting
+
+
+async def stream(client, **fields) -> tuple[list[int], str, StreamChunk]:
+    ids, text, last = [], "", None
+    async with client.stream_request(subjects.GENERATE, GenerateRequest(stream=True, **fields), StreamChunk,
+                                     timeout_per_message=120) as chunks:
+        async for chunk in chunks:
+            ids += chunk.token_ids
+            text += chunk.text
+            last = chunk
+    return ids, text, last
+
+
+@pytest.mark.parametrize("spec", ["mtp", "off"])
+def test_greedy_equals_transformers_with_staggered_arrivals(nats_url, reference, spec):
+    """Requests arrive while others decode (continuous batching: prefill between decode steps)."""
+    async def run():
+        async with aggregated(nats_url, spec=spec == "mtp") as (client, engine):
+            async def one(delay: float, p: list[int]):
+                await asyncio.sleep(delay)
+                return await client.request(subjects.GENERATE, GenerateRequest(token_ids=p, max_tokens=40),
+                                            GenerateReply, timeout=300)
+            replies = await asyncio.gather(*(one(0.15 * i, p) for i, p in enumerate(prompts())))
+            await asyncio.sleep(0.1)
+            assert_all_free(engine)
+            return replies
+    replies = asyncio.run(run())
+    for p, reply in zip(prompts(), replies):
+        want = reference.greedy(p, 40)
+        assert reply.token_ids == want, reference.explain(p, reply.token_ids, want)
+        assert reply.usage.prompt_tokens == len(p) and reply.usage.completion_tokens == len(want)
+        if spec == "mtp":
+            assert reply.spec.verify_steps > 0 and 0 < reply.spec.accepted <= reply.spec.drafted
+        else:
+            assert reply.spec.verify_steps == reply.spec.drafted == 0
+
+
+@pytest.mark.parametrize("draft_state", ["rebuild", "cold"])
+def test_other_draft_states_are_lossless_too(nats_url, reference, draft_state):
+    p = prompts()[2]
+    async def run():
+        async with aggregated(nats_url, draft_state=draft_state) as (client, engine):
+            return await client.request(subjects.GENERATE, GenerateRequest(token_ids=p, max_tokens=24),
+                                        GenerateReply, timeout=300)
+    assert asyncio.run(run()).token_ids == reference.greedy(p, 24)
+
+
+def test_stream_equals_unary_and_stop_strings_apply(nats_url):
+    async def run():
+        async with aggregated(nats_url) as (client, engine):
+            unary = await client.request(subjects.GENERATE, GenerateRequest(prompt="To be, or not to be", max_tokens=24),
+                                         GenerateReply, timeout=120)
+            streamed = await stream(client, prompt="To be, or not to be", max_tokens=24)
+            stopped = await stream(client, prompt="To be, or not to be", max_tokens=24, stop=[" have"])
+            await asyncio.sleep(0.1)
+            assert_all_free(engine)
+            return unary, streamed, stopped
+    unary, (ids, text, last), (_, stop_text, stop_last) = asyncio.run(run())
+    assert ids == unary.token_ids and text == unary.text
+    assert last.finished and last.finish_reason == unary.finish_reason and last.usage == unary.usage
+    assert unary.text.find(" have") >= 0, "the stop string should occur in the unstopped text"
+    assert stop_last.finish_reason == "stop" and stop_text == unary.text[:unary.text.find(" have")]
+
+
+def test_cancel_mid_stream_frees_everything(nats_url):
+    async def run():
+        async with aggregated(nats_url) as (client, engine):
+            request = GenerateRequest(token_ids=prompts()[2], max_tokens=400, stream=True, request_id="agg-cancel-1")
+            got = []
+            async with client.stream_request(subjects.GENERATE, request, StreamChunk, timeout_per_message=120) as chunks:
+                async for chunk in chunks:
+                    got.append(chunk)
+                    if len(got) == 3:
+                        reply = await client.request(subjects.CANCEL, CancelRequest(request_id="agg-cancel-1"),
+                                                     CancelReply)
+                        assert reply.cancelled
+            await asyncio.sleep(0.1)
+            assert_all_free(engine)
+            unknown = await client.request(subjects.CANCEL, CancelRequest(request_id="never-was"), CancelReply,
+                                           timeout=5)
+            return got, unknown
+    got, unknown = asyncio.run(run())
+    assert got[-1].finished and got[-1].finish_reason == "abort" and got[-1].usage.completion_tokens < 400
+    assert not unknown.cancelled
+
+
+def test_full_engine_answers_busy_and_recovers(nats_url):
+    async def run():
+        async with aggregated(nats_url, num_slots=1) as (client, engine):
+            long = asyncio.create_task(stream(client, token_ids=prompts()[0], max_tokens=200))
+            while not engine.running:
+                await asyncio.sleep(0.01)
+            with pytest.raises(BatonError) as info:
+                await client.request(subjects.GENERATE, GenerateRequest(prompt="hello", max_tokens=4),
+                                     GenerateReply, timeout=30)
+            await long
+            after = await client.request(subjects.GENERATE, GenerateRequest(prompt="hello", max_tokens=4),
+                                         GenerateReply, timeout=30)
+            await asyncio.sleep(0.1)
+            assert_all_free(engine)
+            return info.value, after
+    error, after = asyncio.run(run())
+    assert error.code.value == "busy"
+    assert after.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("fields,code", [
+    (dict(token_ids=[5, 999999], max_tokens=4), "bad_request"),
+    (dict(prompt="hi", max_tokens=0), "bad_request"),
+    (dict(token_ids=list(range(1000)) * 3, max_tokens=4000), "too_large"),
+])
+def test_bad_input_gets_the_routers_error_codes(nats_url, fields, code):
+    import msgpack
+    async def run():
+        async with aggregated(nats_url) as (client, engine):
+            msg = await client.connection.request(subjects.GENERATE, msgpack.packb({"v": 1, **fields}), timeout=30)
+            ok = await client.request(subjects.GENERATE, GenerateRequest(prompt="still serving", max_tokens=3),
+                                      GenerateReply, timeout=30)
+            return msgpack.unpackb(msg.data), ok
+    reply, ok = asyncio.run(run())
+    assert reply["error"]["code"] == code, reply
+    assert ok.usage.completion_tokens == 3
+
+
+def test_seeded_sampling_is_reproducible(nats_url):
+    async def run():
+        async with aggregated(nats_url) as (client, engine):
+            req = GenerateRequest(prompt="To be, or not to be", max_tokens=24, temperature=0.9, seed=1234)
+            a = await client.request(subjects.GENERATE, req, GenerateReply, timeout=60)
+            b = await client.request(subjects.GENERATE, req, GenerateReply, timeout=60)
+            return a, b
+    a, b = asyncio.run(run())
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+
+
+def test_config_from_serve_options():
+    from baton.cli import add_worker_options
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=DEFAULT_MODEL_DIR)
+    add_worker_options(parser)
+    config = AggregatedConfig.from_args(parser.parse_args(["--spec", "off", "--kv-mode", "paged", "--num-slots", "8",
+                                                           "--draft-tokens", "2", "--threads", "1"]))
+    assert (config.spec, config.mode, config.num_slots, config.draft_tokens, config.threads) == (False, "paged", 8, 2, 1)
+    assert AggregatedConfig.from_args(config) is config
+    from baton.shared import config as settings  # the typed config `baton serve` builds
+    typed = AggregatedConfig.from_args(settings.load(None, flags={"worker.num_slots": 8, "worker.spec": "off"}))
+    assert (typed.num_slots, typed.spec, typed.model) == (8, False, DEFAULT_MODEL_DIR)
+    with pytest.raises(ValueError):
+        AggregatedConfig(draft_state="teleport")
+
+
+def test_serve_entry_takes_serve_options_and_stops_cleanly(nats_url):
+    """`serve(stop, bus, args)` as `baton serve aggregated` calls it: options from argparse
+    (unset ones None), a request in flight when stop is set still completes."""
+    from baton.services.aggregated.service import serve
+    args = argparse.Namespace(model=DEFAULT_MODEL_DIR, spec="off", draft_tokens=None, draft_state=None,
+                              kv_mode=None, num_pages=256, page_size=None, num_slots=4, max_batch=None, threads=1)
+
+    async def run():
+        stop = asyncio.Event()
+        bus = await Bus.connect(nats_url, "aggregated-serve")
+        task = asyncio.create_task(serve(stop, bus, args))
+        client = await Bus.connect(nats_url, "test-client")
+        try:
+            while not bus.endpoints:
+                await asyncio.sleep(0.02)
+            pending = asyncio.create_task(client.request(
+                subjects.GENERATE, GenerateRequest(token_ids=prompts()[0], max_tokens=64), GenerateReply, timeout=60))
+            await asyncio.sleep(0.2)
+            stop.set()
+            reply = await pending
+            await asyncio.wait_for(task, 30)
+            return reply, bus.connection.is_closed
+        finally:
+            await client.close()
+    reply, closed = asyncio.run(run())
+    assert reply.usage.completion_tokens == 64 and reply.spec.verify_steps == 0 and closed
