@@ -105,7 +105,7 @@ def train_target(model: BatonLM, data: torch.Tensor, minutes: float, batch: int,
     pos = torch.arange(seq).repeat(batch)
     t0, budget = time.time(), minutes * 60
     bar = tqdm(desc="target", unit="step")
-    step, loss = 0, float("nan")
+    step, loss = 0, None
     for ids in batches(data, batch, seq + 1, gen):
         progress = (time.time() - t0) / budget if budget > 0 else 2.0
         if progress > 1:
