@@ -67,6 +67,7 @@ class Flow:
         self.request_id, self.token_ids, self.max_tokens, self.sampling = request_id, token_ids, max_tokens, sampling
         self.attempt_id = request_id  # the id decode and prefill see; a retry gets a fresh one
         self.served_by = ""  # "prefill->decode" of the last attempt, for the request log
+        self.prefill_done: PrefillDone | None = None  # prefill's own timing, for the request log
         self.events: asyncio.Queue = asyncio.Queue()
         self.decode_id: str | None = None
         self.prefill_id: str | None = None
@@ -182,6 +183,7 @@ class Flow:
                 decode_worker_id=reservation.decode_worker_id, decode_allocation=reservation.allocation,
                 transfer_plan=plan), PrefillDone, timeout=self.timeouts.first_token_s)
             self._prefilled = True
+            self.prefill_done = done
             self.events.put_nowait(("prefilled", done))
         except BatonError as exc:
             self.events.put_nowait(("prefill_lost" if exc.code == ErrorCode.UNAVAILABLE else "error", exc))

@@ -141,8 +141,11 @@ class Router:
         self.metrics.e2e.observe(total / 1000)
         if ttft is not None:
             self.metrics.ttft.observe(ttft / 1000)
+        done = flow.prefill_done
         log_request("router", request_id, outcome=result, prompt_tokens=len(ids), completion_tokens=n_tokens,
-                    ttft_ms=ttft, total_ms=round(total, 2), workers=flow.served_by, spec=outcome.spec)
+                    ttft_ms=ttft, total_ms=round(total, 2), workers=flow.served_by, spec=outcome.spec,
+                    prefill_ms=done.prefill_ms if done else None, transfer_ms=done.transfer_ms if done else None,
+                    transfer_bytes=done.transfer_bytes if done else None)
         if outcome.error is not None:
             raise outcome.error
         yield [], text.finish()

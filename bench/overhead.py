@@ -1,0 +1,139 @@
+"""Control-plane overhead per request, and transfer bytes per request as prompts grow.
+
+    python bench/overhead.py --requests 40 --json out/overhead.json
+
+One run starts a real cluster (nats-server, registry, router, 1 prefill, 1 decode; NIXL), then:
+1. sends short requests one at a time; for each, the router's request log gives TTFT (request
+   received -> first token chunk) and prefill's own prefill compute and NIXL transfer times, so
+   control-plane overhead = TTFT - prefill compute - transfer (NATS hops, reservation, queueing,
+   the aux row read, the first chunk); next to it, a raw NATS request/reply round trip on the same
+   server, measured in the same run;
+2. sends one request per prompt length (W/2 .. 16W) and reads the bytes each transfer moved, with
+   the per-component split from the transfer plan: sliding-window components stay flat past the
+   window, full-attention ones grow linearly.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from e2e_cluster import running_cluster  # noqa: E402
+
+from baton.proto import subjects  # noqa: E402
+from baton.proto.internal import Ack  # noqa: E402
+from baton.proto.public import GenerateReply, GenerateRequest  # noqa: E402
+from baton.shared.bus import Bus  # noqa: E402
+from baton.shared.kv.plan import make_plan  # noqa: E402
+from baton.shared.kv.store import KVStore  # noqa: E402
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model  # noqa: E402
+from baton.shared.model.heldout import heldout_prompts  # noqa: E402
+from baton.shared.model.tokenizer import TextTokenizer  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    i = (len(s) - 1) * q
+    lo = int(i)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (i - lo)
+
+
+async def nats_rtt(url: str, n: int) -> list[float]:
+    bus = await Bus.connect(url, "rtt")
+    try:
+        await bus.serve("bench.echo", Ack, lambda msg: _echo())
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await bus.request("bench.echo", Ack(), Ack, timeout=5)
+            out.append((time.perf_counter() - t0) * 1000)
+        return out
+    finally:
+        await bus.close()
+
+
+async def _echo() -> Ack:
+    return Ack()
+
+
+async def send(url: str, prompts: list[list[int]], max_tokens: int) -> None:
+    bus = await Bus.connect(url, "overhead")
+    try:
+        for p in prompts:
+            await bus.request(subjects.GENERATE, GenerateRequest(token_ids=p, max_tokens=max_tokens), GenerateReply,
+                              timeout=120)
+    finally:
+        await bus.close()
+
+
+def router_log(log_dir: Path) -> list[dict]:
+    rows = []
+    for path in log_dir.glob("router-*.log"):
+        for line in path.read_text().splitlines():
+            if "baton.requests:" in line:
+                rows.append(json.loads(line.split("baton.requests: ", 1)[1]))
+    return rows
+
+
+def plan_bytes(length: int, k: int = 3) -> dict[str, int]:
+    cfg = load_model().cfg
+    kw = dict(mode="ring", num_pages=1200, page_size=16, num_slots=2, max_draft_tokens=k)
+    src, dst = KVStore(cfg, draft_enabled=True, **kw), KVStore(cfg, draft_enabled=True, **kw)
+    plan = make_plan(src.manifest("p", "fp", role="prefill"), dst.manifest("d", "fp", role="decode"))
+    for store in (src, dst):
+        store.allocate("r", length + 8)
+        store.extend("r", length)
+    split: dict[str, int] = {}
+    for d in plan.descriptors(length, src.allocation("r"), dst.allocation("r")):
+        split[d.component_key] = split.get(d.component_key, 0) + d.nbytes
+    return split
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
+    W = load_model().cfg.sliding_window
+    lengths = [W // 2, W, 2 * W, 4 * W, 8 * W, 16 * W]
+    short = heldout_prompts(tok, args.requests, args.prompt_len, seed=1)
+    growing = [heldout_prompts(tok, 1, n, seed=n)[0] for n in lengths]
+    with running_cluster(worker_args=["--num-pages", "1024"]) as cluster:
+        asyncio.run(send(cluster.nats_url, short[:3], 1))  # warm up
+        rtt = asyncio.run(nats_rtt(cluster.nats_url, 200))
+        before = len(router_log(cluster.log_dir))
+        asyncio.run(send(cluster.nats_url, short, 1))
+        rows = router_log(cluster.log_dir)[before:]
+        asyncio.run(send(cluster.nats_url, growing, 1))
+        grow_rows = router_log(cluster.log_dir)[before + len(rows):]
+    overhead = [r["ttft_ms"] - r["prefill_ms"] - r["transfer_ms"] for r in rows]
+    table = {name: {"p50": pct(v, 0.5), "p90": pct(v, 0.9), "mean": statistics.mean(v)} for name, v in (
+        ("ttft_ms", [r["ttft_ms"] for r in rows]), ("prefill_ms", [r["prefill_ms"] for r in rows]),
+        ("transfer_ms", [r["transfer_ms"] for r in rows]), ("control_plane_ms", overhead),
+        ("nats_rtt_ms", rtt))}
+    print(f"\n{args.requests} sequential requests, prompt {args.prompt_len} tokens, max_tokens 1")
+    print(f"{'':<18} {'p50':>8} {'p90':>8} {'mean':>8}")
+    for name, v in table.items():
+        print(f"{name:<18} {v['p50']:>8.2f} {v['p90']:>8.2f} {v['mean']:>8.2f}")
+    print(f"\ntransfer bytes per request (k=3, draft state travels):")
+    print(f"{'prompt':>7} {'measured':>10} " + " ".join(f"{c:>16}" for c in plan_bytes(W)))
+    growth = []
+    for n, r in zip(lengths, grow_rows):
+        split = plan_bytes(n)
+        growth.append({"prompt_tokens": n, "transfer_bytes": r["transfer_bytes"], "by_component": split})
+        print(f"{n:>7} {r['transfer_bytes']:>10,} " + " ".join(f"{b:>16,}" for b in split.values()))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"latency": table, "requests": rows, "transfer_growth": growth}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
