@@ -1,0 +1,173 @@
+"""Receiver side: when has a request's state arrived, and when may its slots be reused?
+
+Threading: plain logic, called on the event loop thread only (the agent's notification pump feeds
+it; the decode service calls `expect` and `abort`). Events go to `events`, an asyncio.Queue.
+
+Per request tag the receiver sees, in order:
+- `ARRIVED`: WRITTEN notices came for every part of every expected component, and the aux row
+  carries the tag. The slots now hold the request's state; the tracker forgets the tag.
+- `FAILED` (with a reason): the request cannot use its slots (sender failed, deadline passed,
+  aborted here, aux tag mismatch, peer gone). The request gets an error now...
+- `RELEASE`: ...and only at this event may its slots go back to the free list: no WRITE into them
+  is in flight. That is known from the sender's FAILED notice, its ABORTED acknowledgement, every
+  component's WRITTEN notice, or the peer being gone (`peer_gone`, when the registry drops it).
+  A deadline alone never releases: a WRITE may still land (sglang #27372, vLLM #46283).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Iterable
+
+from .metrics import TransferMetrics
+from .notices import Kind, Notice
+from .regions import AUX_KEY, MAX_TAG, Region, read_tag
+
+log = logging.getLogger(__name__)
+
+
+class EventKind(Enum):
+    ARRIVED = "arrived"
+    FAILED = "failed"
+    RELEASE = "release"
+
+
+@dataclass(frozen=True)
+class ArrivalEvent:
+    tag: int
+    kind: EventKind
+    reason: str = ""
+
+
+@dataclass
+class _Pending:
+    peer: str
+    components: frozenset[str]
+    aux_offset: int
+    deadline: float  # time.monotonic()
+    failed: bool = False  # FAILED already emitted; waiting for a reason to RELEASE
+    parts: dict[str, int] = field(default_factory=dict)  # component -> its number of WRITEs
+    seen: dict[str, set[int]] = field(default_factory=dict)  # component -> parts landed
+
+    def missing(self) -> list[str]:
+        return [c for c in sorted(self.components)
+                if c not in self.parts or len(self.seen[c]) < self.parts[c]]
+
+
+class ArrivalTracker:
+    def __init__(self, send: Callable[[str, Notice], None], aux: Region | None,
+                 metrics: TransferMetrics):
+        """`send(peer, notice)` queues a notice to a peer without blocking; `aux` is our aux region
+        (None on a worker that only sends)."""
+        self.events: asyncio.Queue[ArrivalEvent] = asyncio.Queue()
+        self._send = send
+        self._aux = aux
+        self._metrics = metrics
+        self._pending: dict[int, _Pending] = {}
+
+    @property
+    def pending(self) -> int:
+        """Requests whose slots are still held (waiting for arrival or for a safe release)."""
+        return len(self._pending)
+
+    def expect(self, tag: int, peer: str, components: Iterable[str], aux_offset: int,
+               deadline_s: float) -> None:
+        """Start tracking `tag` from `peer`: its slots are reserved and the sender may now write.
+        `components` are the plan's component keys (the aux row is always expected too);
+        `aux_offset` is the byte offset of the request's aux row in our aux region."""
+        if not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"request tag must be a u64, got {tag}")
+        if tag in self._pending:
+            raise ValueError(f"request tag {tag} is already expected")
+        if self._aux is None:
+            raise ValueError("this agent registered no aux region, so it cannot receive requests")
+        read_tag(self._aux, aux_offset)  # checks the offset now rather than at arrival
+        self._pending[tag] = _Pending(peer, frozenset(components) | {AUX_KEY}, aux_offset,
+                                      time.monotonic() + deadline_s)
+
+    def abort(self, tag: int, reason: str = "aborted by the receiver") -> None:
+        """Give up on `tag` (e.g. the client cancelled): FAILED now, RELEASE once the sender
+        acknowledges or is gone."""
+        entry = self._pending.get(tag)
+        if entry is None:
+            log.info("abort of request %d ignored: not pending", tag)
+        elif not entry.failed:
+            self._fail(tag, entry, reason)
+            self._send(entry.peer, Notice(Kind.ABORT, tag))
+
+    def on_notice(self, peer: str, notice: Notice) -> None:
+        entry = self._pending.get(notice.tag)
+        if entry is None or entry.peer != peer:
+            # FAILED/ABORTED may trail the last WRITTEN notice of a request that gave up: benign.
+            level = logging.WARNING if notice.kind is Kind.WRITTEN else logging.INFO
+            log.log(level, "ignored %s notice for unknown request %d from %r", notice.kind.name,
+                    notice.tag, peer)
+            return
+        if notice.kind is Kind.WRITTEN:
+            self._written(notice, entry)
+        elif notice.kind in (Kind.FAILED, Kind.ABORTED):
+            if not entry.failed:
+                self._fail(notice.tag, entry, f"sender {peer!r} reported {notice.kind.name}")
+            self._release(notice.tag)
+        else:
+            log.warning("ignored %s notice from %r: not a receiver's notice", notice.kind.name, peer)
+
+    def tick(self) -> None:
+        """Fail requests past their deadline (their slots stay held)."""
+        now = time.monotonic()
+        for tag, entry in list(self._pending.items()):
+            if not entry.failed and now > entry.deadline:
+                self._fail(tag, entry, f"transfer deadline passed; missing {entry.missing()}")
+                self._send(entry.peer, Notice(Kind.ABORT, tag))
+
+    def peer_gone(self, peer: str) -> None:
+        """`peer` is dead or left: nothing it started can still be in flight."""
+        for tag, entry in list(self._pending.items()):
+            if entry.peer == peer:
+                if not entry.failed:
+                    self._fail(tag, entry, f"sender {peer!r} is gone")
+                self._release(tag)
+
+    def _written(self, notice: Notice, entry: _Pending) -> None:
+        c = notice.component
+        if c not in entry.components:
+            log.warning("ignored WRITTEN notice of request %d: component %r is not in its plan",
+                        notice.tag, c)
+            return
+        parts = entry.parts.setdefault(c, notice.parts)
+        seen = entry.seen.setdefault(c, set())
+        if parts != notice.parts or notice.part in seen:
+            log.warning("ignored WRITTEN notice of request %d: part %d/%d of %r repeats a part or "
+                        "contradicts the part count %d", notice.tag, notice.part, notice.parts, c, parts)
+            return
+        seen.add(notice.part)
+        if not entry.missing():
+            self._all_written(notice.tag, entry)
+
+    def _all_written(self, tag: int, entry: _Pending) -> None:
+        if entry.failed:  # every WRITE landed after we gave up: nothing is in flight any more
+            self._release(tag)
+            return
+        found = read_tag(self._aux, entry.aux_offset)
+        if found != tag:
+            self._fail(tag, entry, f"aux row carries tag {found}, not {tag}")
+            self._release(tag)
+            return
+        del self._pending[tag]
+        self._metrics.peer(entry.peer).arrivals += 1
+        self._emit(tag, EventKind.ARRIVED)
+
+    def _fail(self, tag: int, entry: _Pending, reason: str) -> None:
+        entry.failed = True
+        self._metrics.peer(entry.peer).arrival_failures += 1
+        self._emit(tag, EventKind.FAILED, reason)
+
+    def _release(self, tag: int) -> None:
+        del self._pending[tag]
+        self._emit(tag, EventKind.RELEASE)
+
+    def _emit(self, tag: int, kind: EventKind, reason: str = "") -> None:
+        self.events.put_nowait(ArrivalEvent(tag, kind, reason))

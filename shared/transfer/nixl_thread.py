@@ -1,0 +1,174 @@
+"""One NIXL agent, driven from one dedicated thread that also makes UCX progress.
+
+Threading rule: NIXL is not thread safe (the agent runs with NIXL_THREAD_SYNC_NONE), and posting
+a WRITE over UCX's `cma` transport copies the bytes inside the call (~25 ms for 256 MiB), which
+must not stall an event loop. So the `nixl_agent` lives inside this object and every call to it
+goes through `run` / `call` / `submit` as a function `fn(agent, *args)`, executed in FIFO order
+on the thread "nixl-<name>". Nothing else may touch the agent or its handles.
+
+Progress: NIXL's own progress thread busy-polls a whole core (the Python API fixes its delay at
+0), which on a 2-core machine halves transfer bandwidth, so it is disabled. Instead this thread,
+between calls, (1) calls `get_new_notifs` every PROGRESS_S: that progresses UCX (a WRITE to us
+completes on the sender only while we progress) and collects notifications, handed to the sink
+(`set_sink`); (2) checks the state of watched WRITEs (`watch`), from WATCH_FIRST_S backing off
+to WATCH_MAX_S, and calls their callback once none is in flight. Sink and callbacks run on this
+thread: they must be thread safe (e.g. `loop.call_soon_threadsafe`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .nixl_ops import refresh
+
+log = logging.getLogger(__name__)
+
+PROGRESS_S = 0.001
+WATCH_FIRST_S = 0.00005  # a small WRITE with its notification takes ~0.2 ms on loopback
+WATCH_MAX_S = 0.005
+_PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
+Notifications = dict[str, list[bytes]]  # peer agent name -> messages, in arrival order
+
+
+def _create(name: str) -> Any:
+    from nixl_cu12._api import nixl_agent, nixl_agent_config  # not the `nixl` shim: no CUDA torch
+
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+
+
+class NixlThread:
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: Notifications = {}  # collected, not yet handed to a sink (NIXL thread only)
+        self._sink: Callable[[Notifications], None] | None = None
+        self._watched: list[_Watch] = []  # NIXL thread only
+        started: Future = Future()
+        self._thread = threading.Thread(target=self._main, args=(name, started),
+                                        name=f"nixl-{name}", daemon=True)
+        self._thread.start()
+        started.result()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(agent, *args)` on the NIXL thread and wait for it (start-up and shutdown only:
+        it blocks the caller)."""
+        return self._submit(fn, args).result()
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(agent, *args)` on the NIXL thread; the event loop keeps running meanwhile."""
+        return await asyncio.wrap_future(self._submit(fn, args))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue `fn(agent, *args)` without waiting for it (`fn` must handle its own errors)."""
+        self._submit(fn, args)
+
+    async def set_sink(self, sink: Callable[[Notifications], None] | None) -> None:
+        """From now on hand notifications (held ones first) to `sink`, called on the NIXL thread."""
+        await self.run(self._set_sink, sink)
+
+    def watch(self, xfers: list, done: Callable[[], None]) -> None:
+        """Call `done()` (on the NIXL thread) once no xfer in `xfers` is "PROC"; meanwhile keep
+        their `state` fresh. `xfers` are `nixl_ops.Xfer`s."""
+        self.submit(lambda agent: self._watched.append(_Watch(xfers, done)))
+
+    def close(self) -> None:
+        self._calls.put(None)
+        self._thread.join()
+
+    def _submit(self, fn: Callable[..., Any], args: tuple) -> Future:
+        future: Future = Future()
+        self._calls.put((fn, args, future))
+        return future
+
+    def _set_sink(self, agent: Any, sink: Callable[[Notifications], None] | None) -> None:
+        self._sink = sink
+        self._hand_over()
+
+    def _main(self, name: str, started: Future) -> None:
+        try:
+            agent = _create(name)
+        except BaseException as e:
+            started.set_exception(e)
+            return
+        started.set_result(None)
+        next_progress = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now >= next_progress:
+                self._progress(agent)
+                next_progress = now + PROGRESS_S
+            wake = min([next_progress, *(w.next_check for w in self._watch_due(agent))])
+            try:
+                item = self._calls.get(timeout=max(0.0, wake - time.monotonic()))
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            fn, args, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(agent, *args))
+                except BaseException as e:
+                    future.set_exception(e)
+
+    def _watch_due(self, agent: Any) -> list[_Watch]:
+        """Refresh the watched WRITEs that are due; finish those with nothing in flight."""
+        now = time.monotonic()
+        for w in self._watched:
+            if now >= w.next_check:
+                refresh(agent, w.xfers)
+                w.interval = min(2 * w.interval, WATCH_MAX_S)
+                w.next_check = now + w.interval
+        finished = [w for w in self._watched if all(x.state != "PROC" for x in w.xfers)]
+        for w in finished:
+            self._watched.remove(w)
+            try:
+                w.done()
+            except Exception:
+                log.exception("WRITE completion callback failed")
+        return self._watched
+
+    def _progress(self, agent: Any) -> None:
+        try:
+            for peer, messages in agent.get_new_notifs().items():
+                self._held.setdefault(peer, []).extend(messages)
+        except Exception as e:
+            log.error("NIXL progress failed: %s: %s", type(e).__name__, e)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._held and self._sink is not None:
+            held, self._held = self._held, {}
+            self._sink(held)
+
+
+@dataclass(eq=False)
+class _Watch:
+    xfers: list
+    done: Callable[[], None]
+    interval: float = WATCH_FIRST_S / 2
+    next_check: float = 0.0
+
+
+def cma_hint() -> str:
+    """Why cross-process CMA may be unavailable here, and what to set; empty when nothing is known
+    to be wrong. UCX copies host memory between processes with process_vm_writev (`cma`), which
+    needs ptrace permission over the peer (Yama ptrace_scope 0, or CAP_SYS_PTRACE)."""
+    if "UCX_TLS" in os.environ:
+        return ""
+    try:
+        scope = _PTRACE_SCOPE.read_text().strip()
+    except OSError:
+        scope = "0"
+    if scope == "0":
+        return ""
+    return (f"kernel.yama.ptrace_scope is {scope}, so UCX's cma transport (process_vm_writev) may "
+            "be refused between sibling processes; set kernel.yama.ptrace_scope=0 or grant "
+            "CAP_SYS_PTRACE, or run every worker with UCX_TLS=^cma (TCP over loopback, slower)")

@@ -1,0 +1,50 @@
+"""Wire format of the NIXL notifications Baton's transfer agents exchange.
+
+A notice is `b"BTN" + kind (1 byte) + tag (u64 LE) + part (u8) + parts (u8) + component (utf-8)`:
+
+- `WRITTEN` (prefill -> decode, carried by a WRITE): part `part` of the `parts` WRITEs of one
+  component of request `tag` has landed (a component goes as one or two WRITEs).
+- `FAILED`  (prefill -> decode): the writes for `tag` ended with an error; none is in flight.
+- `ABORT`   (decode -> prefill): decode gives up on `tag`; please stop and acknowledge.
+- `ABORTED` (prefill -> decode): acknowledgement; no write for `tag` is in flight or will start.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import Enum
+
+_MAGIC = b"BTN"
+_HEAD = struct.Struct("<3scQBB")
+
+
+class Kind(Enum):
+    WRITTEN = b"W"
+    FAILED = b"F"
+    ABORT = b"A"
+    ABORTED = b"K"
+
+
+@dataclass(frozen=True)
+class Notice:
+    kind: Kind
+    tag: int
+    component: str = ""
+    part: int = 0
+    parts: int = 1
+
+    def encode(self) -> bytes:
+        return _HEAD.pack(_MAGIC, self.kind.value, self.tag, self.part, self.parts) + self.component.encode()
+
+
+def decode(message: bytes) -> Notice | None:
+    """The notice in `message`, or None if it is not a well-formed Baton notice."""
+    if len(message) < _HEAD.size:
+        return None
+    magic, kind, tag, part, parts = _HEAD.unpack_from(message)
+    if magic != _MAGIC or part >= parts:
+        return None
+    try:
+        return Notice(Kind(kind), tag, message[_HEAD.size:].decode(), part, parts)
+    except ValueError:  # unknown kind or not utf-8
+        return None

@@ -1,0 +1,213 @@
+"""Memory regions, transfer descriptors, and their resolution into NIXL descriptor rows.
+
+`Descriptor` has the fields of `baton.shared.kv.Descriptor` and can be replaced by an import.
+`Region` is one layer region of a component, flattened: from a kv manifest component `c`,
+`Region(c.name, i, r.addr, r.nbytes, r.item_bytes) for i, r in enumerate(c.regions)`.
+Everything here is pure logic on plain data: no NIXL calls, no threads.
+
+A region is one layer of one component (`docs/architecture.md`: `data[l]` of a component tensor),
+`nbytes = num_items * item_bytes`. NIXL sees every region as a list of items (pages or ring slots),
+prepared once per agent and once per peer: the whole items of a descriptor become indices into
+those prepared lists; what is left (a partly filled last page, the runs of a ring window, the aux
+row) is sent as byte ranges through a list prepared for that request.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+AUX_KEY = "aux/AUX"  # component key of the aux region (= baton.shared.kv's aux component name)
+TAG_BYTES = 8  # an aux row starts with the request tag, u64 little-endian (written by the sender)
+MAX_TAG = (1 << 64) - 1
+
+
+class DescriptorError(ValueError):
+    """A transfer request that does not fit the registered regions; fails that request only."""
+
+
+@dataclass(frozen=True)
+class Region:
+    component_key: str
+    layer_index: int
+    addr: int
+    nbytes: int
+    item_bytes: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.component_key, self.layer_index)
+
+    @property
+    def num_items(self) -> int:
+        return self.nbytes // self.item_bytes
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """`nbytes` bytes from `src_offset` of the sender's region to `dst_offset` of the receiver's
+    region with the same (component_key, layer_index)."""
+    component_key: str
+    layer_index: int
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """A component's bytes of one transfer (all of them or one of two parts), resolved against
+    both sides' region tables.
+
+    `by_item`: `local`/`remote` are int32 indices into the prepared per-item lists. Otherwise they
+    are [n, 3] uint64 rows (addr, nbytes, device 0) for a one-off prepared list."""
+    component_key: str
+    nbytes: int
+    by_item: bool
+    local: np.ndarray
+    remote: np.ndarray
+
+
+class RegionTable:
+    """The regions of one agent (ours or a peer's), validated, with each region's first index in
+    the agent's prepared per-item descriptor list (regions in the given order, items in order)."""
+
+    def __init__(self, regions: list[Region], owner: str):
+        self.owner = owner
+        self.regions = list(regions)
+        self._by_key: dict[tuple[str, int], Region] = {}
+        self._first_item: dict[tuple[str, int], int] = {}
+        count = 0
+        for r in self.regions:
+            _check_region(r, owner)
+            if r.key in self._by_key:
+                raise ValueError(f"{owner}: region {r.key} is registered twice")
+            self._by_key[r.key] = r
+            self._first_item[r.key] = count
+            count += r.num_items
+        spans = sorted(self.regions, key=lambda r: r.addr)
+        for a, b in zip(spans, spans[1:]):
+            if a.addr + a.nbytes > b.addr:
+                raise ValueError(f"{owner}: regions {a.key} and {b.key} overlap in memory")
+
+    def item_rows(self) -> np.ndarray:
+        """[num_items_total, 3] uint64 rows (addr, item_bytes, device 0), in index order."""
+        rows = [_rows(r.addr + r.item_bytes * np.arange(r.num_items, dtype=np.uint64), r.item_bytes)
+                for r in self.regions]
+        return np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.uint64)
+
+    def region(self, key: tuple[str, int]) -> Region:
+        region = self._by_key.get(key)
+        if region is None:
+            raise DescriptorError(f"{self.owner} has no region for component {key[0]!r} layer {key[1]}")
+        return region
+
+    def first_item(self, key: tuple[str, int]) -> int:
+        return self._first_item[key]
+
+
+def resolve(descriptors: list[Descriptor], local: RegionTable, remote: RegionTable) -> list[Batch]:
+    """Group descriptors by component (aux last) and resolve them to item indices and byte ranges:
+    one or two batches per component, each sent as one WRITE.
+
+    Raises DescriptorError naming the offending descriptor: unknown region on either side, item
+    sizes that differ between the sides, a range outside a region, or no aux row."""
+    groups: dict[str, list[Descriptor]] = {}
+    for d in descriptors:
+        groups.setdefault(d.component_key, []).append(d)
+    if AUX_KEY not in groups:
+        raise DescriptorError("transfer has no aux descriptor; the aux row carries the request tag")
+    aux = groups.pop(AUX_KEY)
+    if len(aux) != 1 or aux[0].nbytes < TAG_BYTES:
+        raise DescriptorError(f"transfer needs exactly one aux descriptor of >= {TAG_BYTES} bytes")
+    groups[AUX_KEY] = aux
+    return [b for key, group in groups.items() for b in _resolve_group(key, group, local, remote)]
+
+
+def _resolve_group(key: str, group: list[Descriptor], local: RegionTable,
+                   remote: RegionTable) -> list[Batch]:
+    """The component's whole items as one batch (if any) and its byte ranges as another (if
+    any): a descriptor starting on an item boundary on both sides sends its whole items by
+    index and its tail as a range; any other descriptor is one range. Vectorised: a large
+    request has thousands of descriptors (layers x pages)."""
+    d = np.array([(x.layer_index, x.src_offset, x.dst_offset, x.nbytes) for x in group], dtype=np.int64)
+    layers, at = np.unique(d[:, 0], return_inverse=True)
+    info = np.array([_layer_info(key, int(layer), local, remote) for layer in layers], dtype=np.int64)
+    # info columns: item_bytes, src addr, src nbytes, src first item, dst addr, dst nbytes, dst first item
+    ib, src_addr, src_size, src_first, dst_addr, dst_size, dst_first = info[at].T
+    layer, src_off, dst_off, nbytes = d.T
+    bad = (nbytes <= 0) | (src_off < 0) | (dst_off < 0) | (src_off + nbytes > src_size) \
+        | (dst_off + nbytes > dst_size)
+    if bad.any():
+        i = int(np.argmax(bad))
+        _check_descriptor(group[i], local.region((key, int(layer[i]))), remote.region((key, int(layer[i]))))
+    items = np.where((src_off % ib == 0) & (dst_off % ib == 0), nbytes // ib, 0)
+    tail = nbytes - items * ib
+    batches = []
+    if items.any():
+        owner = np.repeat(np.arange(len(group)), items)  # descriptor of each item
+        within = np.arange(owner.size) - np.repeat(np.cumsum(items) - items, items)
+        local_items = (src_first + src_off // ib)[owner] + within
+        remote_items = (dst_first + dst_off // ib)[owner] + within
+        batches.append(Batch(key, int((items * ib).sum()), True, local_items.astype(np.int32),
+                             remote_items.astype(np.int32)))
+    if tail.any():
+        r = tail > 0
+        start = (items * ib)[r]
+        size = tail[r].astype(np.uint64)
+        batches.append(Batch(key, int(size.sum()), False,
+                             _rows((src_addr + src_off)[r] + start, size),
+                             _rows((dst_addr + dst_off)[r] + start, size)))
+    return batches
+
+
+def _layer_info(key: str, layer: int, local: RegionTable, remote: RegionTable) -> tuple[int, ...]:
+    src, dst = local.region((key, layer)), remote.region((key, layer))
+    if src.item_bytes != dst.item_bytes:
+        raise DescriptorError(f"component {key!r} layer {layer}: item sizes differ (local "
+                              f"{src.item_bytes} B, remote {dst.item_bytes} B), so the two "
+                              "descriptor lists would not match")
+    return (src.item_bytes, src.addr, src.nbytes, local.first_item(src.key),
+            dst.addr, dst.nbytes, remote.first_item(dst.key))
+
+
+def _rows(addrs: np.ndarray, sizes) -> np.ndarray:
+    rows = np.zeros((len(addrs), 3), dtype=np.uint64)  # (addr, nbytes, device id 0)
+    rows[:, 0], rows[:, 1] = addrs, sizes
+    return rows
+
+
+def write_tag(region: Region, offset: int, tag: int) -> None:
+    """Stamp `tag` at the start of the aux row at byte `offset` of `region` (our own memory)."""
+    _check_row(region, offset)
+    ctypes.memmove(region.addr + offset, tag.to_bytes(TAG_BYTES, "little"), TAG_BYTES)
+
+
+def read_tag(region: Region, offset: int) -> int:
+    """The tag at the start of the aux row at byte `offset` of `region` (our own memory)."""
+    _check_row(region, offset)
+    return int.from_bytes(ctypes.string_at(region.addr + offset, TAG_BYTES), "little")
+
+
+def _check_row(region: Region, offset: int) -> None:
+    if not 0 <= offset <= region.nbytes - TAG_BYTES:
+        raise ValueError(f"aux offset {offset} is outside region {region.key} ({region.nbytes} bytes)")
+
+
+def _check_region(r: Region, owner: str) -> None:
+    if r.addr <= 0 or r.item_bytes <= 0 or r.nbytes <= 0 or r.nbytes % r.item_bytes:
+        raise ValueError(f"{owner}: region {r.key} must have addr > 0 and nbytes a positive multiple "
+                         f"of item_bytes (addr={r.addr:#x}, nbytes={r.nbytes}, item_bytes={r.item_bytes})")
+
+
+def _check_descriptor(d: Descriptor, src: Region, dst: Region) -> None:
+    where = f"descriptor {d.component_key!r} layer {d.layer_index}"
+    if d.nbytes <= 0 or d.src_offset < 0 or d.dst_offset < 0:
+        raise DescriptorError(f"{where}: nbytes must be > 0 and offsets >= 0, got {d}")
+    if d.src_offset + d.nbytes > src.nbytes:
+        raise DescriptorError(f"{where}: source range ends at {d.src_offset + d.nbytes}, "
+                              f"past the local region's {src.nbytes} bytes")
+    if d.dst_offset + d.nbytes > dst.nbytes:
+        raise DescriptorError(f"{where}: destination range ends at {d.dst_offset + d.nbytes}, "
+                              f"past the remote region's {dst.nbytes} bytes")

@@ -1,0 +1,119 @@
+"""TransferAgent with real NIXL agents inside one process: bad input gives clear errors (never a
+crash), lazy peers, cancellation. Cross-process behaviour is in test_transfer_integration.py."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from baton.shared.transfer import (AUX_KEY, Descriptor, EventKind, Faults, PeerInfo, Region,
+                                   TransferAgent, TransferStatus)
+
+pytestmark = pytest.mark.integration
+
+ITEM = 1024
+
+
+class Pools:
+    def __init__(self):
+        self.full = np.arange(8 * ITEM, dtype=np.int64).astype(np.uint8)
+        self.aux = np.zeros(4 * 64, np.uint8)
+        self.regions = [Region("full", 0, self.full.ctypes.data, self.full.nbytes, ITEM),
+                        Region(AUX_KEY, 0, self.aux.ctypes.data, self.aux.nbytes, 64)]
+
+
+PLAN = [Descriptor("full", 0, 0, 2 * ITEM, 2 * ITEM), Descriptor(AUX_KEY, 0, 0, 64, 64)]
+
+
+async def pair(lazy: bool = False):
+    """Sender "a" and receiver "b"; `lazy`: each finds the other through a registry lookup."""
+    a_pools, b_pools = Pools(), Pools()
+    registry: dict[str, PeerInfo] = {}
+
+    async def lookup(name):
+        return registry.get(name)
+
+    a = TransferAgent("a", a_pools.regions, lookup=lookup if lazy else None)
+    b = TransferAgent("b", b_pools.regions, lookup=lookup if lazy else None)
+    registry.update(a=PeerInfo("a", a.metadata(), a_pools.regions), b=PeerInfo("b", b.metadata(), b_pools.regions))
+    if not lazy:
+        await b.add_peer("a", a.metadata(), a_pools.regions)
+        await a.add_peer("b", b.metadata(), b_pools.regions)
+    return a, b, a_pools, b_pools
+
+
+def test_region_registered_twice_is_refused_before_nixl():
+    p = Pools()
+    with pytest.raises(ValueError, match="registered twice"):
+        TransferAgent("dup", p.regions + [p.regions[0]])
+
+
+def test_unknown_peer_and_bad_descriptors_fail_the_request_only():
+    async def main():
+        a, b, _, _ = await pair()
+        async with a, b:
+            r = await a.write("nobody", PLAN, 1, 1.0)
+            assert r.status is TransferStatus.FAILED and "unknown peer 'nobody'" in r.error
+            b.arrivals.expect(2, "a", ["full"], 64, 5.0)
+            r = await a.write("b", [Descriptor("full", 0, 0, 7 * ITEM, 2 * ITEM), PLAN[1]], 2, 1.0)
+            assert r.status is TransferStatus.FAILED and "past the remote region" in r.error
+            events = [await asyncio.wait_for(b.arrivals.events.get(), 2) for _ in range(2)]
+            assert [e.kind for e in events] == [EventKind.FAILED, EventKind.RELEASE]
+            assert a.metrics.peer("b").write_failures == 1
+            r = await a.write("b", PLAN, 2**64, 1.0)
+            assert r.status is TransferStatus.FAILED and "u64" in r.error
+            r = await a.write("b", PLAN, 3, 1.0)  # the agent still works
+            assert r.ok and r.nbytes == 2 * ITEM + 64
+
+    asyncio.run(main())
+
+
+def test_bad_peer_metadata_is_a_clear_error():
+    async def main():
+        a, b, _, b_pools = await pair()
+        async with a, b:
+            with pytest.raises(ValueError, match="cannot add peer 'c'"):
+                await a.add_peer("c", b"not nixl metadata", [])
+            with pytest.raises(ValueError, match="belongs to agent 'b'"):
+                await a.add_peer("c", b.metadata(), b_pools.regions)
+            await a.add_peer("b", b.metadata(), b_pools.regions)  # known: cached, no-op
+            assert (await a.write("b", PLAN, 4, 1.0)).ok
+
+    asyncio.run(main())
+
+
+def test_peers_are_added_lazily_from_the_registry_lookup():
+    async def main():
+        a, b, a_pools, b_pools = await pair(lazy=True)
+        async with a, b:
+            b.arrivals.expect(4, "a", ["full"], 64, 5.0)
+            b.arrivals.abort(4)  # b has never seen a: looks it up to send ABORT; a does the same to ack
+            events = [await asyncio.wait_for(b.arrivals.events.get(), 5) for _ in range(2)]
+            assert [e.kind for e in events] == [EventKind.FAILED, EventKind.RELEASE]
+            assert (await a.write("b", PLAN, 4, 1.0)).status is TransferStatus.ABORTED
+            b.arrivals.expect(5, "a", ["full"], 64, 5.0)
+            assert (await a.write("b", PLAN, 5, 1.0)).ok
+            assert (await asyncio.wait_for(b.arrivals.events.get(), 2)).kind is EventKind.ARRIVED
+            assert (b_pools.full[2 * ITEM:4 * ITEM] == a_pools.full[:2 * ITEM]).all()
+            assert (await a.write("c", PLAN, 6, 1.0)).error == "unknown peer 'c'"
+
+    asyncio.run(main())
+
+
+def test_cancelled_write_returns_only_when_nothing_is_in_flight():
+    async def main():
+        a, b, a_pools, b_pools = await pair()
+        async with a, b:
+            a.faults = Faults(delay_s=0.5)
+            task = asyncio.create_task(a.write("b", PLAN, 7, 5.0))
+            await asyncio.sleep(0.1)
+            t0 = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert time.monotonic() - t0 > 0.3  # waited for the (uncancellable) delayed WRITE
+            assert (b_pools.full[2 * ITEM:4 * ITEM] == a_pools.full[:2 * ITEM]).all()
+
+    asyncio.run(main())

@@ -1,0 +1,193 @@
+"""Pure logic of the transfer engine: region tables, descriptor resolution, notices, faults, and
+the receiver's arrival/release rules (no NIXL, no processes)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from baton.shared.transfer import (AUX_KEY, ArrivalEvent, ArrivalTracker, Descriptor,
+                                   DescriptorError, EventKind, Faults, Region, TransferMetrics)
+from baton.shared.transfer.notices import Kind, Notice, decode
+from baton.shared.transfer.regions import RegionTable, resolve, write_tag
+
+pytestmark = pytest.mark.unit
+
+BASE = 1 << 32
+
+
+def table(owner: str, item_bytes: int = 256, base: int = BASE) -> RegionTable:
+    return RegionTable([Region("full", 0, base, 4 * item_bytes, item_bytes),
+                        Region("full", 1, base + 4096, 4 * item_bytes, item_bytes),
+                        Region(AUX_KEY, 0, base + 8192, 4 * 64, 64)], owner)
+
+
+def aux(src: int = 0, dst: int = 64) -> Descriptor:
+    return Descriptor(AUX_KEY, 0, src, dst, 64)
+
+
+def test_region_registered_twice_or_overlapping_is_refused():
+    r = Region("full", 0, BASE, 1024, 256)
+    with pytest.raises(ValueError, match="registered twice"):
+        RegionTable([r, Region("full", 0, BASE + 4096, 1024, 256)], "me")
+    with pytest.raises(ValueError, match="overlap"):
+        RegionTable([r, Region("full", 1, BASE + 512, 1024, 256)], "me")
+    with pytest.raises(ValueError, match="multiple of item_bytes"):
+        RegionTable([Region("full", 0, BASE, 1000, 256)], "me")
+
+
+def test_item_rows_index_every_item_in_region_order():
+    rows = table("me").item_rows()
+    assert rows.shape == (12, 3)
+    assert list(rows[:5, 0]) == [BASE, BASE + 256, BASE + 512, BASE + 768, BASE + 4096]
+    assert set(rows[:8, 1]) == {256} and set(rows[8:, 1]) == {64}
+
+
+def test_whole_item_descriptors_resolve_to_prepared_indices_aux_last():
+    local, remote = table("me"), table("peer", base=BASE << 1)
+    batches = resolve([aux(), Descriptor("full", 1, 512, 0, 512), Descriptor("full", 0, 256, 768, 256)],
+                      local, remote)
+    assert [b.component_key for b in batches] == ["full", AUX_KEY]
+    full = batches[0]
+    assert full.by_item and full.nbytes == 768
+    assert list(full.local) == [6, 7, 1] and list(full.remote) == [4, 5, 3]
+    assert list(batches[1].local) == [8] and list(batches[1].remote) == [9]
+
+
+def test_partial_items_go_as_byte_ranges_next_to_the_whole_items():
+    local, remote = table("me"), table("peer", base=BASE << 1)
+    items, ranges, _ = resolve([Descriptor("full", 0, 128, 384, 256),  # cuts through items
+                                Descriptor("full", 1, 0, 256, 600),  # 2 whole items + 88 B tail
+                                aux()], local, remote)
+    assert items.by_item and list(items.local) == [4, 5] and list(items.remote) == [5, 6]
+    assert items.nbytes == 512 and ranges.nbytes == 256 + 88
+    assert not ranges.by_item
+    assert ranges.local.tolist() == [[BASE + 128, 256, 0], [BASE + 4096 + 512, 88, 0]]
+    assert ranges.remote.tolist() == [[(BASE << 1) + 384, 256, 0], [(BASE << 1) + 4096 + 768, 88, 0]]
+
+
+@pytest.mark.parametrize("descriptors, message", [
+    ([Descriptor("full", 0, 0, 0, 256)], "no aux descriptor"),
+    ([aux(), aux(64, 128)], "exactly one aux"),
+    ([Descriptor("swa", 0, 0, 0, 256), aux()], "no region for component 'swa'"),
+    ([Descriptor("full", 0, 768, 0, 512), aux()], "source range ends at 1280"),
+    ([Descriptor("full", 0, 0, 900, 256), aux()], "destination range ends at 1156"),
+    ([Descriptor("full", 0, 0, 0, 0), aux()], "nbytes must be > 0"),
+])
+def test_bad_descriptors_name_the_problem(descriptors, message):
+    with pytest.raises(DescriptorError, match=message):
+        resolve(descriptors, table("me"), table("peer", base=BASE << 1))
+
+
+def test_item_size_mismatch_between_sides_is_refused():
+    with pytest.raises(DescriptorError, match="item sizes differ"):
+        resolve([Descriptor("full", 0, 0, 0, 256), aux()], table("me"), table("peer", 128, BASE << 1))
+
+
+def test_notice_round_trip_and_malformed_input():
+    for n in (Notice(Kind.WRITTEN, 2**64 - 1, "draft/SWA_RING", 1, 2), Notice(Kind.ABORT, 0)):
+        assert decode(n.encode()) == n
+    tag = bytes(8)
+    for junk in (b"", b"BTNW", b"XYZW" + tag + b"\0\1", b"BTNQ" + tag + b"\0\1",
+                 b"BTNW" + tag + b"\0\1\xff", b"BTNW" + tag + b"\1\1"):
+        assert decode(junk) is None
+
+
+def test_faults_from_env(monkeypatch):
+    monkeypatch.setenv("BATON_TRANSFER_FAULTS", "delay=0.5, drop=aux")
+    assert Faults.from_env() == Faults(0.5, None, "aux")
+    monkeypatch.setenv("BATON_TRANSFER_FAULTS", "explode=1")
+    with pytest.raises(ValueError, match="BATON_TRANSFER_FAULTS"):
+        Faults.from_env()
+    monkeypatch.delenv("BATON_TRANSFER_FAULTS")
+    assert Faults.from_env() == Faults()
+
+
+# --- receiver rules ---------------------------------------------------------------------------
+class Receiver:
+    def __init__(self):
+        self.aux_rows = np.zeros(4 * 64, np.uint8)
+        self.aux = Region(AUX_KEY, 0, self.aux_rows.ctypes.data, self.aux_rows.nbytes, 64)
+        self.sent: list[tuple[str, Notice]] = []
+        self.metrics = TransferMetrics()
+        self.tracker = ArrivalTracker(lambda peer, n: self.sent.append((peer, n)), self.aux, self.metrics)
+
+    def events(self) -> list[tuple[int, EventKind]]:
+        out = []
+        while not self.tracker.events.empty():
+            e: ArrivalEvent = self.tracker.events.get_nowait()
+            out.append((e.tag, e.kind))
+        return out
+
+    def written(self, tag: int, *components: str, peer: str = "p", part: int = 0, parts: int = 1) -> None:
+        for c in components:
+            self.tracker.on_notice(peer, Notice(Kind.WRITTEN, tag, c, part, parts))
+
+
+def test_arrival_needs_every_component_and_the_tag_in_the_aux_row():
+    r = Receiver()
+    r.tracker.expect(5, "p", ["full", "swa"], 64, 10.0)
+    write_tag(r.aux, 64, 5)
+    r.written(5, "full", AUX_KEY, "full")  # a repeated notice counts once
+    r.written(5, "swa", part=1, parts=2)  # "swa" went as two WRITEs
+    r.written(5, "swa", part=0, parts=3)  # inconsistent part count: ignored
+    r.written(5, "draft")  # not in the plan: ignored
+    assert r.events() == [] and r.tracker.pending == 1
+    r.written(5, "swa", part=0, parts=2)
+    assert r.events() == [(5, EventKind.ARRIVED)] and r.tracker.pending == 0
+
+
+def test_aux_tag_mismatch_fails_and_releases():
+    r = Receiver()
+    r.tracker.expect(5, "p", ["full"], 0, 10.0)
+    write_tag(r.aux, 0, 6)
+    r.written(5, "full", AUX_KEY)
+    assert r.events() == [(5, EventKind.FAILED), (5, EventKind.RELEASE)]
+
+
+def test_deadline_fails_but_holds_slots_until_acknowledged():
+    r = Receiver()
+    r.tracker.expect(5, "p", ["full"], 0, 0.0)
+    r.tracker.tick()
+    assert r.events() == [(5, EventKind.FAILED)] and r.sent == [("p", Notice(Kind.ABORT, 5))]
+    r.tracker.tick()
+    r.tracker.on_notice("q", Notice(Kind.ABORTED, 5))  # not the sender of this request
+    assert r.events() == [] and r.tracker.pending == 1
+    r.tracker.on_notice("p", Notice(Kind.ABORTED, 5))
+    assert r.events() == [(5, EventKind.RELEASE)] and r.tracker.pending == 0
+
+
+def test_after_abort_every_write_landing_also_releases():
+    r = Receiver()
+    r.tracker.expect(5, "p", ["full"], 0, 10.0)
+    r.tracker.abort(5, "client cancelled")
+    r.written(5, "full")
+    assert r.events() == [(5, EventKind.FAILED)]
+    r.written(5, AUX_KEY)
+    assert r.events() == [(5, EventKind.RELEASE)]
+
+
+def test_sender_failure_releases_at_once_and_peer_gone_releases_held_slots():
+    r = Receiver()
+    r.tracker.expect(5, "p", ["full"], 0, 10.0)
+    r.tracker.expect(6, "p", ["full"], 64, 0.0)
+    r.tracker.expect(7, "q", ["full"], 128, 10.0)
+    r.tracker.on_notice("p", Notice(Kind.FAILED, 5))
+    r.tracker.tick()
+    assert r.events() == [(5, EventKind.FAILED), (5, EventKind.RELEASE), (6, EventKind.FAILED)]
+    r.tracker.peer_gone("p")
+    assert r.events() == [(6, EventKind.RELEASE)] and r.tracker.pending == 1
+    assert r.metrics.peer("p").arrival_failures == 2
+
+
+def test_unknown_tags_and_bad_expectations(caplog):
+    r = Receiver()
+    r.tracker.on_notice("p", Notice(Kind.WRITTEN, 99, "full"))
+    r.tracker.abort(99)
+    assert r.events() == [] and "unknown request 99" in caplog.text
+    r.tracker.expect(5, "p", ["full"], 0, 1.0)
+    with pytest.raises(ValueError, match="already expected"):
+        r.tracker.expect(5, "p", ["full"], 0, 1.0)
+    with pytest.raises(ValueError, match="outside region"):
+        r.tracker.expect(6, "p", ["full"], 4 * 64, 1.0)
+    with pytest.raises(ValueError, match="u64"):
+        r.tracker.expect(-1, "p", ["full"], 0, 1.0)
