@@ -14,6 +14,7 @@ from baton.proto import subjects
 from baton.proto.internal import LookupReply, LookupRequest
 from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.services.worker import HEARTBEAT_S
 from baton.up import Cluster, start_cluster, wait_ready
 
 
@@ -51,12 +52,16 @@ async def worker_loads(url: str) -> dict[str, tuple]:
             for w in reply.workers}
 
 
-async def wait_all_free(url: str, timeout_s: float = 15.0) -> dict:
-    """Until every worker reports all pages and slots free (heartbeats carry the load)."""
+async def wait_all_free(url: str, timeout_s: float = 20.0, min_requests: int = 0) -> dict:
+    """Until every worker reports all pages and slots free and the decode workers together report
+    at least `min_requests` requests taken. Heartbeats carry the loads; the first read waits until
+    they are newer than the call, so a stale "all free" cannot pass."""
     deadline = asyncio.get_running_loop().time() + timeout_s
+    await asyncio.sleep(HEARTBEAT_S * 1.5)  # every load read from now on was sent after the work ended
     while True:
         loads = await worker_loads(url)
-        if all(v[1] == v[2] and v[3] == v[4] for v in loads.values()):
+        taken = sum(v[6] for v in loads.values() if v[0] == "decode")
+        if taken >= min_requests and all(v[1] == v[2] and v[3] == v[4] for v in loads.values()):
             return loads
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"capacity did not return to full: {loads}")
