@@ -1,6 +1,6 @@
 """Speculative decoding, measured in one run on held-out prompts.
 
-    python bench/spec.py --prompts 24 --prompt-len 160 --max-tokens 96 --json out/spec.json
+    python bench/spec.py --prompts 24 --prompt-len 160 --max-tokens 96 --repeats 3 --json out/spec.json
 
 Part 1 (in-process engine, same step loop as decode): acceptance length and decode tokens/s with
 speculation off and in each draft-state mode (transfer / rebuild / cold); acceptance length over
@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--system-tokens", type=int, default=128)
     ap.add_argument("--skip-system", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="engine runs per mode, interleaved; the fastest counts")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -155,9 +156,12 @@ def main() -> None:
     tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
     prompts = heldout_prompts(tok, args.prompts, args.prompt_len, seed=11)
     result: dict = {"args": vars(args) | {"json": str(args.json)}, "engine": {}}
-    result["engine"]["off"] = run_engine(model, prompts, args.max_tokens, SpecConfig(enabled=False), args.batch)
-    for mode in MODES:
-        result["engine"][mode] = run_engine(model, prompts, args.max_tokens, SpecConfig(True, args.k, mode), args.batch)
+    specs = {"off": SpecConfig(enabled=False), **{m: SpecConfig(True, args.k, m) for m in MODES}}
+    for _ in range(args.repeats):  # interleaved, best of N: these machines are noisy
+        for name, spec in specs.items():
+            run = run_engine(model, prompts, args.max_tokens, spec, args.batch)
+            if name not in result["engine"] or run["seconds"] < result["engine"][name]["seconds"]:
+                result["engine"][name] = run
     reference = result["engine"]["off"].pop("outputs")
     for mode in MODES:
         assert result["engine"][mode].pop("outputs") == reference, f"{mode}: speculation changed greedy output"
@@ -165,7 +169,8 @@ def main() -> None:
 
     print(f"\nin-process engine, {args.prompts} held-out prompts of {args.prompt_len} tokens, {args.max_tokens} "
           f"new tokens, batch {args.batch}, k={args.k}")
-    print(f"{'mode':<9} {'tau':>6} {'tau@16':>7} {'tok/s':>7} {'1st draft fwd s':>16}  per-position acceptance")
+    print(f"{'mode':<9} {'tau':>6} {'tau@16':>7} {'tok/s':>7} {'1st draft fwd s':>16}  per-position acceptance"
+          f"  (best of {args.repeats} interleaved runs)")
     for mode in ("off",) + MODES:
         r = result["engine"][mode]
         tau = f"{r['acceptance_length']:.3f}" if mode != "off" else "-"
