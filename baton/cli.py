@@ -102,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--model", type=Path, help=f"model directory (default {DEFAULT_MODEL_DIR})")
     up.add_argument("--log-dir", help="one log per service (default baton-logs)")
     up.add_argument("--ready-timeout", type=float, help="seconds (default 180)")
+    up.add_argument("--no-auth", action="store_true",
+                    help="no NATS users on the embedded server (default: generated users and permissions; "
+                         "clients may only use baton.v1.* and their own reply inboxes)")
     up.add_argument("--http", action="store_true", default=None,
                     help="also start the OpenAI-compatible HTTP frontend (`baton serve http`)")
     add_http_options(up)

@@ -9,13 +9,14 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError
 from baton.proto.public import GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
+from baton.up import client_options
 
 
 async def generate(args, url: str) -> int:
     request = GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, stream=args.stream)
     try:
-        bus = await Bus.connect(url, "baton-cli")
+        bus = await Bus.connect(url, "baton-cli", **client_options(url))
     except BatonError as exc:
         print(f"baton: {exc} (is `baton up` running? set --nats-url or BATON_NATS_URL)", file=sys.stderr)
         return 1

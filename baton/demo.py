@@ -15,8 +15,8 @@ from baton.up import start_cluster, wait_ready
 PROMPTS = ["To be, or not to be, that is the question:", "ROMEO.\nBut soft, what light through yonder window breaks?"]
 
 
-async def _requests(url: str) -> None:
-    bus = await Bus.connect(url, "baton-demo")
+async def _requests(url: str, options: dict) -> None:
+    bus = await Bus.connect(url, "baton-demo", **options)
     try:
         for prompt in PROMPTS:
             reply = await bus.request(subjects.GENERATE, GenerateRequest(prompt=prompt, max_tokens=48), GenerateReply,
@@ -39,11 +39,11 @@ def demo(args) -> int:
     t0 = time.monotonic()
     ns = argparse.Namespace(model=args.model, prefill=1, decode=1, log_dir=tempfile.mkdtemp(prefix="baton-demo-"))
     worker_args = ["--threads", "1"]
-    cluster = start_cluster(ns, worker_args)
+    cluster = start_cluster(ns, worker_args, auth=True)
     try:
         asyncio.run(wait_ready(cluster.nats_url, cluster, 1, 1, 180.0))
         print(f"baton ready: {cluster.nats_url} (started in {time.monotonic() - t0:.1f} s; logs in {ns.log_dir})")
-        asyncio.run(_requests(cluster.nats_url))
+        asyncio.run(_requests(cluster.nats_url, cluster.client.connect_options()))  # as a client may
         return 0
     except Exception as exc:  # noqa: BLE001 - a demo prints what went wrong and where the logs are
         print(f"baton demo failed: {type(exc).__name__}: {exc}; logs in {ns.log_dir}", file=sys.stderr)

@@ -440,7 +440,8 @@ async def run_bench(config: BenchConfig, bus=None) -> dict:
     warm, measured = prompts[n:], prompts[:n]
     own_bus = bus is None
     if own_bus:
-        bus = await Bus.connect(config.nats_url, "baton-bench")
+        from baton.up import client_options  # credentials of a local `baton up`, if that is the target
+        bus = await Bus.connect(config.nats_url, "baton-bench", **client_options(config.nats_url))
     runs = []
     try:
         for level in config.levels():

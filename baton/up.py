@@ -21,10 +21,22 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError
 from baton.proto.public import GenerateReply, GenerateRequest
 from baton.shared.bus import Bus
+from baton.shared.bus.auth import Credentials, new_client, new_service, server_config
 from baton.shared.bus.server import NatsServer
 from baton.shared.metrics import FILE_ENV, PORT_ENV
 
 STATE_FILE = Path(os.environ.get("BATON_STATE", Path.home() / ".cache" / "baton" / "up.json"))
+
+
+def client_options(url: str) -> dict:
+    """`Bus.connect` options for the public API of the `baton up` running at `url`: the client
+    credentials it generated (from its state file), or none if that server is not ours."""
+    if not STATE_FILE.exists():
+        return {}
+    state = json.loads(STATE_FILE.read_text())
+    if state.get("nats_url") != url or not state.get("client"):
+        return {}
+    return Credentials(**state["client"]).connect_options()
 
 
 @dataclass
@@ -33,12 +45,16 @@ class Cluster:
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     server: NatsServer | None = None
     log_dir: Path = Path(".")
+    service: Credentials | None = None  # when this cluster's own server requires authentication
+    client: Credentials | None = None
 
     def spawn(self, role: str, args: list[str], log_dir: Path) -> None:
         name = f"{role}-{len(self.children)}"
         log = open(log_dir / f"{name}.log", "wb")
         cmd = [sys.executable, "-m", "baton", "serve", role, "--nats-url", self.nats_url, *args]
         env = {**os.environ, PORT_ENV: "auto", FILE_ENV: str(log_dir / f"{name}.metrics.json")}
+        if self.service is not None:
+            env |= {"BATON_NATS_USER": self.service.user, "BATON_NATS_PASSWORD": self.service.password}
         self.children.append((role, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                      start_new_session=True)))
 
@@ -75,7 +91,7 @@ async def wait_ready(url: str, cluster: Cluster, prefill: int, decode: int, time
     """Until a warm-up request succeeds; returns seconds waited. Raises if a child died."""
     from baton.proto.internal import LookupReply, LookupRequest
     started = time.monotonic()
-    bus = await Bus.connect(url, "baton-up")
+    bus = await Bus.connect(url, "baton-up", **(cluster.service.connect_options() if cluster.service else {}))
     try:
         while True:
             if cluster.dead():
@@ -96,17 +112,26 @@ async def wait_ready(url: str, cluster: Cluster, prefill: int, decode: int, time
         await bus.close()
 
 
-def start_cluster(args, worker_args: list[str]) -> Cluster:
-    """The NATS server (unless --nats-url) and every service process; returns at once."""
+def start_cluster(args, worker_args: list[str], auth: bool = False) -> Cluster:
+    """The NATS server (unless --nats-url) and every service process; returns at once. With
+    `auth`, the embedded server gets generated users (service, client) and subject permissions."""
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    server = None
+    server, service, client = None, None, None
     if getattr(args, "nats_url", None):
         url = args.nats_url
     else:
-        server = NatsServer(port=getattr(args, "nats_port", None), store_dir=str(log_dir / "jetstream")).start()
+        config = None
+        if auth:
+            service, client = new_service(), new_client()
+            config = log_dir / "nats-auth.conf"
+            config.touch()
+            config.chmod(0o600)
+            config.write_text(server_config(service, [client]))
+        server = NatsServer(port=getattr(args, "nats_port", None), store_dir=str(log_dir / "jetstream"),
+                            config_file=config).start()
         url = server.url
-    cluster = Cluster(url, server=server, log_dir=log_dir)
+    cluster = Cluster(url, server=server, log_dir=log_dir, service=service, client=client)
     model = ["--model", str(args.model)]
     cluster.spawn("registry", model, log_dir)
     for _ in range(args.prefill):
@@ -143,13 +168,16 @@ def run_up(args, worker_args: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop_now.append(1))
     cluster = None
     try:
-        cluster = start_cluster(args, worker_args)
+        cluster = start_cluster(args, worker_args, auth=not getattr(args, "no_auth", False))
         asyncio.run(wait_ready(cluster.nats_url, cluster, args.prefill, args.decode, args.ready_timeout))
         http = ""
         if getattr(args, "http", False):
             http = f"; OpenAI API on {wait_http_ready(cluster, args.http_host, args.http_port, args.ready_timeout)}"
         STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
-        STATE_FILE.write_text(json.dumps({"nats_url": cluster.nats_url, "pid": os.getpid()}))
+        STATE_FILE.touch()
+        STATE_FILE.chmod(0o600)  # it holds the client credentials of the embedded server
+        STATE_FILE.write_text(json.dumps({"nats_url": cluster.nats_url, "pid": os.getpid(),
+                                          "client": cluster.client.as_dict() if cluster.client else None}))
         print(f"baton ready: {cluster.nats_url} ({args.prefill} prefill, {args.decode} decode; "
               f"started in {time.monotonic() - t0:.1f} s, logs in {args.log_dir}){http}", flush=True)
         while not stop_now:

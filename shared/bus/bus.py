@@ -40,6 +40,7 @@ class Bus:
                       tls_cert_file: str | None = None, tls_key_file: str | None = None,
                       connect_timeout_s: float = 5.0, reconnect_wait_s: float = 0.5,
                       max_reconnect_attempts: int = -1, drain_timeout_s: float = 5.0,
+                      inbox_prefix: str | None = None,
                       limits: Limits = DEFAULT_LIMITS) -> "Bus":
         """Connect within `connect_timeout_s` or raise BatonError(unavailable). Once connected,
         lost connections are retried every `reconnect_wait_s` (-1 attempts: forever)."""
@@ -62,7 +63,7 @@ class Bus:
             user_credentials=creds_file, tls=tls, connect_timeout=min(connect_timeout_s, 2.0),
             reconnect_time_wait=reconnect_wait_s, max_reconnect_attempts=max_reconnect_attempts,
             drain_timeout=drain_timeout_s, error_cb=_log_error, disconnected_cb=disconnected,
-            reconnected_cb=reconnected)
+            reconnected_cb=reconnected, **({"inbox_prefix": inbox_prefix} if inbox_prefix else {}))
         try:
             await asyncio.wait_for(nc.connect(**options), connect_timeout_s)
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
