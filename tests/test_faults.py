@@ -136,3 +136,24 @@ def test_cancel_at_every_stage_frees_everything(reference, monkeypatch):
                 await bus.close()
             await wait_all_free(cluster.nats_url)
         asyncio.run(run())
+
+
+def test_sigterm_stops_every_service_cleanly(reference):
+    """SIGTERM: stop intake, finish in-flight work, deregister, exit 0 — for every service."""
+    with running_cluster(prefill=1, decode=1) as cluster:
+        async def run():
+            bus = await Bus.connect(cluster.nats_url, "test")
+            try:
+                p = prompt(50, 60)
+                inflight = asyncio.create_task(outcome(bus, p, 60))
+                await asyncio.sleep(0.3)
+                stopper = asyncio.get_running_loop().run_in_executor(None, cluster.stop)
+                reply = await inflight
+                await stopper
+                return p, reply
+            finally:
+                await bus.close()
+        p, reply = asyncio.run(run())
+        codes = {role: proc.returncode for role, proc in cluster.children}
+    assert codes == {"registry": 0, "router": 0, "prefill": 0, "decode": 0}, codes
+    assert isinstance(reply, BatonError) or reply.token_ids == reference.greedy(p, 60)[:len(reply.token_ids)]
