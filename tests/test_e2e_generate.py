@@ -147,3 +147,26 @@ def test_every_service_exposes_metrics_that_move(cluster):
     assert after["decode"]["baton_generated_tokens_total"] >= before["decode"]["baton_generated_tokens_total"] + 11
     assert after["decode"]["baton_spec_verify_steps_total"] > before["decode"]["baton_spec_verify_steps_total"]
     assert after["decode"]["baton_free_slots"] == 16 and after["registry"]["baton_workers[('role', 'decode')]"] == 1
+
+
+def test_client_that_stops_listening_is_cancelled(cluster):
+    """A streaming client that unsubscribes mid-stream: the router notices (NATS answers the
+    chunks' probe with "no responders"), cancels the request and everything is freed long before
+    the 4,000 tokens it asked for would have been generated."""
+    router = next(m["port"] for m in cluster.metrics if m["role"] == "router")
+    before = scrape(router).get("baton_requests_total[('outcome', 'disconnected')]", 0)
+
+    async def run():
+        bus = await Bus.connect(cluster.nats_url, "test")
+        try:
+            stream = bus.stream_request(subjects.GENERATE, GenerateRequest(token_ids=prompts()[0], max_tokens=4000,
+                                                                           stream=True), StreamChunk, 60)
+            async for _ in stream:
+                break  # one chunk, then stop listening
+            await stream.close()
+            await asyncio.sleep(3.0)
+        finally:
+            await bus.close()
+        await wait_all_free(cluster.nats_url, timeout_s=10)
+    asyncio.run(run())
+    assert scrape(router).get("baton_requests_total[('outcome', 'disconnected')]", 0) == before + 1

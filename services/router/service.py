@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -116,23 +117,29 @@ class Router:
         text, n_tokens, ttft = TextStream(self.tokenizer, req.stop), 0, None
         self.flows[request_id] = flow
         self.metrics.in_flight.inc()
-        last_chunk = None
+        last_chunk, completed = None, False
         try:
-            async for new_ids in flow.tokens():
-                now = time.monotonic()
-                if last_chunk is not None:
-                    self.metrics.itl.observe(now - last_chunk)
-                last_chunk = now
-                ttft = ttft if ttft is not None else (now - started) * 1000
-                ids_out, delta = text.add(new_ids)
-                n_tokens += len(ids_out)
-                if ids_out or delta:
-                    yield ids_out, delta
-                if text.stopped:
-                    flow.cancel("stop string")
+            async with aclosing(flow.tokens()) as tokens:  # closing it releases what the flow holds
+                async for new_ids in tokens:
+                    now = time.monotonic()
+                    if last_chunk is not None:
+                        self.metrics.itl.observe(now - last_chunk)
+                    last_chunk = now
+                    ttft = ttft if ttft is not None else (now - started) * 1000
+                    ids_out, delta = text.add(new_ids)
+                    n_tokens += len(ids_out)
+                    if ids_out or delta:
+                        yield ids_out, delta
+                    if text.stopped:
+                        flow.cancel("stop string")
+            completed = True
         finally:
             self.flows.pop(request_id, None)
             self.metrics.in_flight.dec()
+            if not completed:  # the client went away mid-stream (or the router is stopping)
+                self.metrics.requests.labels("disconnected").inc()
+                log_request("router", request_id, outcome="disconnected", completion_tokens=n_tokens,
+                            workers=flow.served_by)
         outcome = flow.outcome
         total = (time.monotonic() - started) * 1000
         reason = "stop" if text.stopped else outcome.finish_reason

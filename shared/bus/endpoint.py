@@ -31,6 +31,7 @@ class EndpointStats:
     errors: dict[str, int] = field(default_factory=dict)  # by error code
     latency_total_s: float = 0.0
     latency_max_s: float = 0.0
+    disconnects: int = 0  # streams closed because the client stopped listening
 
     def record(self, code: ErrorCode | None, seconds: float) -> None:
         self.requests += 1
@@ -93,9 +94,7 @@ class Endpoint:
             request = decode(msg.data, self._request_cls, self._limits)
             result = self._handler(request)
             if inspect.isasyncgen(result):
-                async with aclosing(result):
-                    async for reply in result:
-                        await self._reply(msg.reply, reply)
+                await self._stream(msg.reply, result, request)
             else:
                 await self._reply(msg.reply, await result)
         except BatonError as exc:
@@ -114,9 +113,34 @@ class Endpoint:
         finally:
             self.stats.record(code, time.perf_counter() - started)
 
-    async def _reply(self, reply_subject: str, message: Any) -> None:
+    async def _stream(self, reply_subject: str, replies: AsyncIterator[Any], request: Any) -> None:
+        """Publish a streaming reply. Each chunk carries a probe reply subject: once the client's
+        inbox has no subscriber any more (it stopped listening or disconnected), the server answers
+        the probe with a 503 "no responders" status, and the stream is closed, which runs the
+        handler's cleanup (the router then cancels the request and frees its slots)."""
+        gone = asyncio.Event()
+
+        async def on_probe(msg: Msg) -> None:
+            if msg.headers and msg.headers.get("Status") == "503":
+                gone.set()
+        probe = await self._nc.subscribe(self._nc.new_inbox(), cb=on_probe) if reply_subject else None
+        try:
+            async with aclosing(replies):
+                async for reply in replies:
+                    if gone.is_set():
+                        log.info("%s: request %s: the client stopped listening; cancelled",
+                                 self.subject, _request_id(request))
+                        self.stats.disconnects += 1
+                        return
+                    await self._reply(reply_subject, reply, probe.subject if probe else "")
+        finally:
+            if probe is not None:
+                await probe.unsubscribe()
+
+    async def _reply(self, reply_subject: str, message: Any, probe: str = "") -> None:
         if reply_subject and message is not None:
-            await self._nc.publish(reply_subject, encode_for(reply_subject, message, self._nc.max_payload))
+            await self._nc.publish(reply_subject, encode_for(reply_subject, message, self._nc.max_payload),
+                                   reply=probe)
 
     async def _reply_error(self, reply_subject: str, error: BatonError) -> None:
         if not reply_subject:
