@@ -87,8 +87,10 @@ class Cluster:
             self.server.stop()
 
 
-async def wait_ready(url: str, cluster: Cluster, prefill: int, decode: int, timeout_s: float) -> float:
-    """Until a warm-up request succeeds; returns seconds waited. Raises if a child died."""
+async def wait_ready(url: str, cluster: Cluster, prefill: int, decode: int, timeout_s: float,
+                     warm_up: bool = True) -> float:
+    """Until every worker registered and (with `warm_up`) a warm-up request succeeded; returns
+    seconds waited. Raises if a child died."""
     from baton.proto.internal import LookupReply, LookupRequest
     started = time.monotonic()
     bus = await Bus.connect(url, "baton-up", **(cluster.service.connect_options() if cluster.service else {}))
@@ -102,6 +104,8 @@ async def wait_ready(url: str, cluster: Cluster, prefill: int, decode: int, time
                 reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply, timeout=1.0)
                 roles = [w.registration.role for w in reply.workers]
                 if roles.count("prefill") >= prefill and roles.count("decode") >= decode:
+                    if not warm_up:
+                        return time.monotonic() - started
                     await bus.request(subjects.GENERATE, GenerateRequest(token_ids=[0], max_tokens=2),
                                       GenerateReply, timeout=30.0)
                     return time.monotonic() - started

@@ -20,13 +20,13 @@ from baton.up import Cluster, start_cluster, wait_ready
 
 @contextlib.contextmanager
 def running_cluster(nats_url: str | None = None, prefill: int = 1, decode: int = 1, worker_args: list[str] = (),
-                    auth: bool = False):
+                    auth: bool = False, warm_up: bool = True):
     log_dir = tempfile.mkdtemp(prefix="baton-test-")
     args = argparse.Namespace(model=DEFAULT_MODEL_DIR, prefill=prefill, decode=decode, log_dir=log_dir,
                               nats_url=nats_url, nats_port=None)
     cluster = start_cluster(args, ["--threads", "1", "--num-pages", "512", "--num-slots", "16", *worker_args], auth)
     try:
-        asyncio.run(wait_ready(cluster.nats_url, cluster, prefill, decode, 240.0))
+        asyncio.run(wait_ready(cluster.nats_url, cluster, prefill, decode, 240.0, warm_up))
         yield cluster
     except BaseException:
         print_logs(log_dir)

@@ -15,7 +15,7 @@ from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
-from e2e_cluster import Reference, running_cluster, wait_all_free
+from e2e_cluster import Reference, running_cluster, wait_all_free, worker_loads
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 LEASE_S = 10.0  # registry lease: a killed worker is noticed within this plus a sweep
@@ -71,9 +71,20 @@ def test_decode_killed_mid_request(reference):
                         assert_exact(reference, p, r, 400)
                 later = prompt(50, 9)
                 assert_exact(reference, later, await outcome(bus, later, 20), 20)
+                # a restarted decode registers and takes traffic (no lasting "no responders")
+                cluster.spawn("decode", ["--model", str(DEFAULT_MODEL_DIR), "--threads", "1"], cluster.log_dir)
+                for attempt in range(60):
+                    loads = await worker_loads(cluster.nats_url)
+                    if sum(v[0] == "decode" for v in loads.values()) == 2:
+                        break
+                    await asyncio.sleep(0.5)
+                replies = await asyncio.gather(*(outcome(bus, later, 8) for _ in range(6)))
+                assert all(isinstance(r, GenerateReply) for r in replies), replies
             finally:
                 await bus.close()
-            await wait_all_free(cluster.nats_url)
+            loads = await wait_all_free(cluster.nats_url, min_requests=1)
+            decodes = [v for v in loads.values() if v[0] == "decode"]
+            assert len(decodes) == 2 and all(v[6] > 0 for v in decodes), loads  # both serve
         asyncio.run(run())
 
 
@@ -157,3 +168,24 @@ def test_sigterm_stops_every_service_cleanly(reference):
         codes = {role: proc.returncode for role, proc in cluster.children}
     assert codes == {"registry": 0, "router": 0, "prefill": 0, "decode": 0}, codes
     assert isinstance(reply, BatonError) or reply.token_ids == reference.greedy(p, 60)[:len(reply.token_ids)]
+
+
+@pytest.mark.parametrize("fault", ["fail=target/FULL", "drop=aux/AUX"])
+def test_failed_or_unnotified_transfer_ends_with_an_error_and_frees_slots(monkeypatch, fault):
+    """A WRITE that fails, or whose notification never arrives (decode's transfer deadline, 3 s
+    here): the client gets an error, not a hang, and no slot stays taken on either side."""
+    monkeypatch.setenv("BATON_TRANSFER_FAULTS", fault)
+    monkeypatch.setenv("BATON_WORKER_TRANSFER_DEADLINE_S", "3")
+    with running_cluster(prefill=1, decode=1, warm_up=False) as cluster:  # every transfer fails
+        async def run():
+            bus = await Bus.connect(cluster.nats_url, "test")
+            try:
+                started = time.monotonic()
+                result = await outcome(bus, prompt(40, 70), 8)
+                return result, time.monotonic() - started
+            finally:
+                await bus.close()
+        result, elapsed = asyncio.run(run())
+        assert isinstance(result, BatonError) and result.code.value in ("internal", "unavailable", "timeout"), result
+        assert elapsed < 20, elapsed
+        asyncio.run(wait_all_free(cluster.nats_url))
