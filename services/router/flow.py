@@ -42,8 +42,9 @@ class Outcome:
     spec: dict = field(default_factory=lambda: {"verify_steps": 0, "drafted": 0, "accepted": 0})
 
 
-class PrefillLost(Exception):
-    """The prefill worker of the current attempt left before the state arrived."""
+class AttemptLost(Exception):
+    """The current attempt failed before its first token (prefill or its transfer lost, a worker
+    gone): nothing reached the client yet, so the request may start over on another pair."""
 
     def __init__(self, error: BatonError) -> None:
         super().__init__(error.message)
@@ -75,23 +76,23 @@ class Flow:
         self._tasks: list[asyncio.Task] = []
         self._released = False
         self._prefilled = False
+        self._avoid: set[str] = set()  # workers of a failed attempt, skipped by the retry when possible
         self._held: dict[str, int] = {}  # load this flow counts against workers in the directory
 
     def cancel(self, reason: str = "cancelled") -> None:
         self.events.put_nowait(("cancel", reason))
 
     def worker_left(self, worker_id: str, reason: str) -> None:
-        """A worker this request depends on is gone: end the request (or retry its prefill) now
-        instead of at a timeout."""
-        error = BatonError(ErrorCode.UNAVAILABLE, f"request {self.request_id}: worker {worker_id} left ({reason})")
-        if worker_id == self.decode_id:
-            self.events.put_nowait(("error", error))
-        elif worker_id == self.prefill_id and not self._prefilled:
-            self.events.put_nowait(("prefill_lost", error))
+        """A worker this request depends on is gone: end the request (or retry it, if no token
+        was sent yet) now instead of at a timeout."""
+        if worker_id == self.decode_id or (worker_id == self.prefill_id and not self._prefilled):
+            self.events.put_nowait(("error", BatonError(
+                ErrorCode.UNAVAILABLE, f"request {self.request_id}: worker {worker_id} left ({reason})")))
 
     async def tokens(self) -> AsyncIterator[list[int]]:
-        """Yield token ids as decode produces them; `self.outcome` says how it ended. A prefill
-        worker lost before the state arrived is retried once on another (fresh reservation)."""
+        """Yield token ids as decode produces them; `self.outcome` says how it ended. An attempt
+        that fails before its first token is retried once, on other workers where there are any,
+        with a fresh reservation and a fresh internal id."""
         try:
             for attempt in range(2):
                 try:
@@ -99,11 +100,12 @@ class Flow:
                     async for ids in self._relay():
                         yield ids
                     return
-                except PrefillLost as lost:
+                except AttemptLost as lost:
                     if attempt == 1:
                         raise lost.error
-                    log.warning("%s; retrying on another prefill worker", lost.error.message)
-                    await self._end_attempt("prefill lost")
+                    log.warning("%s; retrying once on other workers", lost.error.message)
+                    self._avoid = {self.prefill_id, self.decode_id} - {None}
+                    await self._end_attempt("attempt lost")
                     self.attempt_id = f"{self.request_id[:56]}-retry1"
         except BatonError as exc:
             self.outcome.error = exc
@@ -141,15 +143,19 @@ class Flow:
         self._tasks.append(asyncio.create_task(self._prefill(prefill, reservation, plan),
                                                name=f"prefill {self.request_id}"))
 
+    def _prefer_others(self, workers: list) -> list:
+        others = [w for w in workers if w.registration.worker_id not in self._avoid]
+        return others or workers
+
     def _pick_prefill(self) -> str:
-        workers = self.directory.of_role("prefill")
+        workers = self._prefer_others(self.directory.of_role("prefill"))
         if not workers:
             raise BatonError(ErrorCode.UNAVAILABLE, "no prefill worker is registered")
         best = min(workers, key=lambda w: (w.load.queued_prompt_tokens + self.directory.outstanding(w.registration.worker_id)))
         return best.registration.worker_id
 
     async def _reserve(self, prefill_id: str) -> tuple[ReserveReply, dict]:
-        decodes = sorted(self.directory.of_role("decode"),  # free slots first, then least loaded
+        decodes = sorted(self._prefer_others(self.directory.of_role("decode")),  # free slots first, then least loaded
                          key=lambda w: (w.load.free_slots == 0,
                                         self.directory.outstanding(w.registration.worker_id), -w.load.free_pages))
         if not decodes:
@@ -186,7 +192,7 @@ class Flow:
             self.prefill_done = done
             self.events.put_nowait(("prefilled", done))
         except BatonError as exc:
-            self.events.put_nowait(("prefill_lost" if exc.code == ErrorCode.UNAVAILABLE else "error", exc))
+            self.events.put_nowait(("error", exc))
         finally:
             self._unhold(prefill_id)
 
@@ -212,9 +218,7 @@ class Flow:
                 self.outcome.finish_reason = "abort"
                 return
             if kind == "error":
-                raise value
-            if kind == "prefill_lost":
-                raise PrefillLost(value)
+                raise value if got_first else AttemptLost(value)
             if kind == "chunk":
                 if value.seq != expected_seq:
                     raise BatonError(ErrorCode.INTERNAL, f"request {self.request_id}: token chunk "
