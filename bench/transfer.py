@@ -1,4 +1,4 @@
-"""NIXL WRITE bandwidth between two processes, next to a same-run torch copy of the same bytes.
+"""NIXL WRITE bandwidth between two processes, next to same-run in-process copies of the same bytes.
 
     python bench/transfer.py --json out/transfer.json
 
@@ -12,9 +12,9 @@ completion watched by the agent's NIXL thread). Columns (GB/s = 1e9 B/s, medians
   arrive   payload / time from `write()` start to the receiver's ARRIVED event
   cma      the same descriptors copied by raw process_vm_writev calls (1024 iovecs per call):
            the ceiling of UCX's cma transport for this shape, without NIXL or Baton
-  copy1    contiguous `dst.copy_(src)` of S bytes in this process, torch on 1 thread (memcpy:
-           a NIXL WRITE over cma is one copying thread too)
-  copyN    the same with torch's default thread count
+  copy1    contiguous copy of S bytes in this process on one thread (`np.copyto`, a memcpy; a
+           NIXL WRITE over cma is one copying thread too)
+  copyN    contiguous `dst.copy_(src)` of S bytes with torch (default thread count)
   ratio    write / copy1;  ratioN  write / copyN
 """
 from __future__ import annotations
@@ -120,14 +120,17 @@ def cma_seconds(pid: int, descriptors: list[Descriptor], local: dict, remote: di
 
 async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, tag: int) -> dict:
     """Each iteration times, back to back so they see the same machine load: one `write()`, its
-    arrival, the raw cma copy of its descriptors, and torch copies on 1 and N threads."""
-    times: dict[str, list[float]] = {k: [] for k in ("write", "arrive", "cma", "copy1", "copyn")}
+    arrival, the raw cma copy of its descriptors, and a one-thread memcpy. The multi-threaded torch
+    copies run afterwards: torch's OpenMP workers spin after a parallel op and would steal a
+    core from the next WRITE."""
+    times: dict[str, list[float]] = {k: [] for k in ("write", "arrive", "cma", "copy1")}
     for i in range(args.warmup + args.iters):
         descriptors = plan(payload, args.layers, args.pages, args.page_kib << 10, rng, args.contiguous)
         nbytes = sum(x.nbytes for x in descriptors[:-1])
         if i == 0:
             src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
             dst = torch.ones(nbytes, dtype=torch.uint8)  # touched, like the receiver's pools
+            src1, dst1 = src.numpy(), dst.numpy()
         tag += 1
         conn.send(("expect", tag, [KV], AUX_BYTES))
         assert conn.recv() == "ok"
@@ -140,10 +143,11 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
         assert result.ok and kind == EventKind.ARRIVED.value, (result, kind)
         sample = {"write": t1 - t0, "arrive": arrived - t0,
                   "cma": cma_seconds(args.receiver_pid, descriptors, args.local, args.remote),
-                  "copy1": copy_seconds(dst, src, 1), "copyn": copy_seconds(dst, src, args.torch_threads)}
+                  "copy1": timed(np.copyto, dst1, src1)}
         if i >= args.warmup:
             for k, v in sample.items():
                 times[k].append(v)
+    times["copyn"] = [timed(dst.copy_, src) for _ in range(args.warmup + args.iters)][args.warmup:]
     d = descriptors[-2]
     conn.send(("read", d.component_key, d.layer_index, d.dst_offset, d.nbytes))
     assert conn.recv() == pools[d.component_key, d.layer_index][d.src_offset:d.src_offset + d.nbytes].tobytes()
@@ -154,10 +158,9 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
             "tag": tag}
 
 
-def copy_seconds(dst: torch.Tensor, src: torch.Tensor, threads: int) -> float:
-    torch.set_num_threads(threads)
+def timed(fn, *args) -> float:
     t0 = time.monotonic()
-    dst.copy_(src)
+    fn(*args)
     return time.monotonic() - t0
 
 
@@ -187,7 +190,7 @@ def main() -> None:
     ap.add_argument("--page-kib", type=int, default=64,
                     help="page bytes per layer (64 KiB: 16 tokens x 8 KV heads x 128 dims x K,V x bf16)")
     ap.add_argument("--contiguous", action="store_true", help="consecutive page ids instead of random")
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -202,7 +205,7 @@ def main() -> None:
     pools = make_pools(args.layers, args.pages, page, fill=True)
     args.torch_threads = torch.get_num_threads()
     print(f"pages {'contiguous' if args.contiguous else 'random'}, {args.page_kib} KiB, "
-          f"torch threads 1 / {args.torch_threads}, UCX_TLS={os.environ.get('UCX_TLS', '(default)')}")
+          f"torch threads {args.torch_threads}, UCX_TLS={os.environ.get('UCX_TLS', '(default)')}")
     print(f"{'MiB':>9} {'descs':>6} " + " ".join(f"{c:>7}" for c in
           ("write", "arrive", "cma", "copy1", "copyN", "ratio", "ratioN")))
     rows = asyncio.run(send(args, conn, pools))

@@ -117,3 +117,24 @@ def test_cancelled_write_returns_only_when_nothing_is_in_flight():
             assert (b_pools.full[2 * ITEM:4 * ITEM] == a_pools.full[:2 * ITEM]).all()
 
     asyncio.run(main())
+
+
+def test_write_in_flight_at_its_deadline_is_cancelled_and_reported(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp,self")  # TCP: 64 MiB stays in flight for ~0.2 s
+    size = 64 << 20
+
+    async def main():
+        bufs = {side: (np.ones(size, np.uint8), np.zeros(256, np.uint8)) for side in "ab"}
+        regions = {side: [Region("full", 0, kv.ctypes.data, size, 1 << 20),
+                          Region(AUX_KEY, 0, aux.ctypes.data, aux.nbytes, 64)] for side, (kv, aux) in bufs.items()}
+        async with TransferAgent("a", regions["a"]) as a, TransferAgent("b", regions["b"]) as b:
+            await a.add_peer("b", b.metadata(), regions["b"])
+            await b.add_peer("a", a.metadata(), regions["a"])
+            b.arrivals.expect(8, "a", ["full"], 64, 10.0)
+            plan = [Descriptor("full", 0, 0, 0, size), Descriptor(AUX_KEY, 0, 0, 64, 64)]
+            r = await a.write("b", plan, 8, 0.005)
+            assert r.status is TransferStatus.FAILED and "deadline" in r.error and "CANCELLED" in r.error
+            events = [await asyncio.wait_for(b.arrivals.events.get(), 5) for _ in range(2)]
+            assert [e.kind for e in events] == [EventKind.FAILED, EventKind.RELEASE]
+
+    asyncio.run(main())

@@ -11,7 +11,7 @@ Progress: NIXL's own progress thread busy-polls a whole core (the Python API fix
 between calls, (1) calls `get_new_notifs` every PROGRESS_S: that progresses UCX (a WRITE to us
 completes on the sender only while we progress) and collects notifications, handed to the sink
 (`set_sink`); (2) checks the state of watched WRITEs (`watch`), from WATCH_FIRST_S backing off
-to WATCH_MAX_S, and calls their callback once none is in flight. Sink and callbacks run on this
+to WATCH_MAX_S; once none is in flight it releases their handles and calls their callback. Sink and callbacks run on this
 thread: they must be thread safe (e.g. `loop.call_soon_threadsafe`).
 """
 from __future__ import annotations
@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .nixl_ops import refresh
+from .nixl_ops import refresh, release
 
 log = logging.getLogger(__name__)
 
 PROGRESS_S = 0.001
 WATCH_FIRST_S = 0.00005  # a small WRITE with its notification takes ~0.2 ms on loopback
-WATCH_MAX_S = 0.005
+WATCH_MAX_S = 0.0005
 _PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
 Notifications = dict[str, list[bytes]]  # peer agent name -> messages, in arrival order
 
@@ -74,8 +74,8 @@ class NixlThread:
         await self.run(self._set_sink, sink)
 
     def watch(self, xfers: list, done: Callable[[], None]) -> None:
-        """Call `done()` (on the NIXL thread) once no xfer in `xfers` is "PROC"; meanwhile keep
-        their `state` fresh. `xfers` are `nixl_ops.Xfer`s."""
+        """Keep the `state` of `xfers` (`nixl_ops.Xfer`s, posted by a call queued before this)
+        fresh; once none is "PROC", release their handles and call `done()` on the NIXL thread."""
         self.submit(lambda agent: self._watched.append(_Watch(xfers, done)))
 
     def close(self) -> None:
@@ -124,11 +124,12 @@ class NixlThread:
         for w in self._watched:
             if now >= w.next_check:
                 refresh(agent, w.xfers)
-                w.interval = min(2 * w.interval, WATCH_MAX_S)
+                w.interval = min(max(2 * w.interval, WATCH_FIRST_S), WATCH_MAX_S)
                 w.next_check = now + w.interval
         finished = [w for w in self._watched if all(x.state != "PROC" for x in w.xfers)]
         for w in finished:
             self._watched.remove(w)
+            release(agent, w.xfers)
             try:
                 w.done()
             except Exception:
@@ -146,14 +147,17 @@ class NixlThread:
     def _hand_over(self) -> None:
         if self._held and self._sink is not None:
             held, self._held = self._held, {}
-            self._sink(held)
+            try:
+                self._sink(held)
+            except Exception as e:  # e.g. the event loop is closed: nobody is listening any more
+                log.error("dropped notifications from %s: %s", sorted(held), e)
 
 
 @dataclass(eq=False)
 class _Watch:
     xfers: list
     done: Callable[[], None]
-    interval: float = WATCH_FIRST_S / 2
+    interval: float = 0.0  # checked at once, then after WATCH_FIRST_S, doubling to WATCH_MAX_S
     next_check: float = 0.0
 
 

@@ -1,0 +1,192 @@
+"""Sender side (prefill): WRITE one request's regions into a peer's reserved slots.
+
+Threading: event loop thread only, like the agent that owns it; NIXL calls go to the agent's
+NixlThread. `write` returns only when no WRITE of the request is in flight any more, whatever the
+outcome (done, failed, deadline, aborted by the receiver, cancelled), so the caller may free its
+own slots right after; a failure is always a result with an error, and the receiver is told
+(FAILED, or ABORTED to acknowledge its ABORT) once nothing is in flight.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+from . import nixl_ops
+from .faults import Faults
+from .metrics import TransferMetrics
+from .nixl_thread import NixlThread, cma_hint
+from .notices import Kind, Notice
+from .regions import AUX_KEY, MAX_TAG, Batch, Descriptor, DescriptorError, RegionTable, resolve, write_tag
+
+log = logging.getLogger(__name__)
+
+ABORTED_MEMORY = 65536  # tags aborted before their write started, remembered to refuse the write
+
+
+class TransferStatus(Enum):
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"  # the receiver asked to stop; it has been acknowledged
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    tag: int
+    peer: str
+    status: TransferStatus
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is TransferStatus.DONE
+
+
+@dataclass(frozen=True, eq=False)
+class Destination:
+    """A peer's regions and its per-item prepared list (NIXL handle; None if it has no regions)."""
+    table: RegionTable
+    items: Any
+
+
+@dataclass(eq=False)
+class _Write:
+    peer: str
+    stop: str = ""  # why to stop early ("" = don't); set it with halt()
+    abort_requested: bool = False  # the receiver sent ABORT: acknowledge it at the end
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def halt(self, reason: str) -> None:
+        self.stop = self.stop or reason
+        self.stopping.set()
+
+
+class Sender:
+    def __init__(self, nixl: NixlThread, table: RegionTable, items: Any, metrics: TransferMetrics,
+                 send: Callable[[str, Notice], None], faults: Faults):
+        """`items`: our per-item prepared list; `send(peer, notice)` queues a notice."""
+        self.faults = faults
+        self._nixl = nixl
+        self._table = table
+        self._items = items
+        self._metrics = metrics
+        self._send = send
+        self._writes: dict[int, _Write] = {}
+        self._aborted: OrderedDict[int, None] = OrderedDict()
+
+    async def stop(self, reason: str, peer: str | None = None) -> None:
+        """Stop the writes (to `peer`, or all) and wait until none of them is in flight."""
+        jobs = [job for job in self._writes.values() if peer is None or job.peer == peer]
+        for job in jobs:
+            job.halt(reason)
+        for job in jobs:
+            await job.done.wait()
+
+    async def write(self, peer: str, dest: Destination | None, descriptors: list[Descriptor], tag: int,
+                    deadline_s: float) -> TransferResult:
+        """WRITE the plan's regions, then the aux row stamped with `tag`, into `dest`; each WRITE
+        notifies the peer with (tag, component, part). Never raises for a bad request."""
+        start = time.monotonic()
+        if tag in self._aborted:
+            return TransferResult(tag, peer, TransferStatus.ABORTED, error="receiver aborted the request")
+        if not 0 <= tag <= MAX_TAG or tag in self._writes:
+            return self.failed(tag, peer, f"request tag {tag} is not a u64 or already in flight")
+        if dest is None:
+            return self.failed(tag, peer, f"unknown peer {peer!r}")
+        try:
+            batches = resolve(descriptors, self._table, dest.table)
+        except DescriptorError as e:
+            self._send(peer, Notice(Kind.FAILED, tag))
+            return self.failed(tag, peer, str(e))
+        aux = next(d for d in descriptors if d.component_key == AUX_KEY)
+        write_tag(self._table.region((AUX_KEY, aux.layer_index)), aux.src_offset, tag)
+        job = self._writes[tag] = _Write(peer)
+        task = asyncio.create_task(self._run(tag, job, dest, self._xfers(tag, batches), start, deadline_s))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            job.halt("write was cancelled")
+            await asyncio.wait([task])
+            raise
+
+    def failed(self, tag: int, peer: str, error: str, seconds: float = 0.0) -> TransferResult:
+        log.warning("write of request %d to %r failed: %s", tag, peer, error)
+        self._metrics.peer(peer).write_failures += 1
+        return TransferResult(tag, peer, TransferStatus.FAILED, 0, seconds, error)
+
+    def on_abort(self, peer: str, tag: int) -> None:
+        """The receiver sent ABORT for `tag`: stop its write, or refuse it if it has not started;
+        acknowledged (ABORTED) once nothing is in flight."""
+        job = self._writes.get(tag)
+        if job is not None and job.peer == peer:
+            job.abort_requested = True
+            job.halt("receiver aborted the request")
+            return  # acknowledged by _finish
+        self._aborted[tag] = None
+        if len(self._aborted) > ABORTED_MEMORY:
+            self._aborted.popitem(last=False)
+        self._send(peer, Notice(Kind.ABORTED, tag))
+
+    async def _run(self, tag: int, job: _Write, dest: Destination, xfers: list[nixl_ops.Xfer],
+                   start: float, deadline_s: float) -> TransferResult:
+        loop = asyncio.get_running_loop()
+        try:
+            if self.faults.delay_s:  # a slow WRITE in flight: neither abort nor deadline stops it
+                await asyncio.sleep(self.faults.delay_s)
+            landed = loop.create_future()  # set once no WRITE is in flight and handles are freed
+            self._nixl.submit(nixl_ops.post, self._items, job.peer, dest.items, xfers)
+            self._nixl.watch(xfers, lambda: loop.call_soon_threadsafe(_settle, landed))
+            stopping = loop.create_task(job.stopping.wait())
+            await asyncio.wait([landed, stopping], return_when=asyncio.FIRST_COMPLETED,
+                               timeout=max(0.0, start + deadline_s - time.monotonic()))
+            stopping.cancel()
+            if not landed.done():
+                job.halt(f"deadline of {deadline_s}s passed")
+                await self._nixl.run(nixl_ops.cancel, xfers)
+                await landed  # cancelled, or finished if NIXL could not cancel
+            return self._finish(tag, job, xfers, time.monotonic() - start)
+        finally:
+            del self._writes[tag]
+            job.done.set()
+
+    def _xfers(self, tag: int, batches: list[Batch]) -> list[nixl_ops.Xfer]:
+        """One WRITE per batch, each notifying (tag, component, part i of the component's n)."""
+        parts = Counter(b.component_key for b in batches)
+        numbered: Counter[str] = Counter()
+        xfers = []
+        for b in batches:
+            key = b.component_key
+            notice = Notice(Kind.WRITTEN, tag, key, numbered[key], parts[key]).encode()
+            numbered[key] += 1
+            xfers.append(nixl_ops.Xfer(b, b"" if key == self.faults.drop else notice,
+                                       fail=key == self.faults.fail))
+        return xfers
+
+    def _finish(self, tag: int, job: _Write, xfers: list[nixl_ops.Xfer], seconds: float) -> TransferResult:
+        nbytes = sum(x.batch.nbytes for x in xfers)
+        if job.abort_requested:
+            self._send(job.peer, Notice(Kind.ABORTED, tag))
+            self._metrics.peer(job.peer).write_failures += 1
+            return TransferResult(tag, job.peer, TransferStatus.ABORTED, 0, seconds, "receiver aborted the request")
+        if all(x.state == "DONE" for x in xfers):
+            stats = self._metrics.peer(job.peer)
+            stats.bytes_written += nbytes
+            stats.write_seconds += seconds
+            stats.writes += 1
+            return TransferResult(tag, job.peer, TransferStatus.DONE, nbytes, seconds)
+        self._send(job.peer, Notice(Kind.FAILED, tag))
+        errors = [f"{x.batch.component_key}: {x.error or x.state}" for x in xfers if x.state != "DONE"]
+        hint = cma_hint() if any(x.state == "ERR" for x in xfers) else ""
+        return self.failed(tag, job.peer, "; ".join(filter(None, [job.stop, *errors, hint])), seconds)
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
