@@ -102,6 +102,8 @@ class Job:
     def __init__(self, seq: Sequence, decode_gen: torch.Generator | None, wake: asyncio.Event) -> None:
         self.seq, self.decode_gen, self._wake = seq, decode_gen, wake
         self.outcome = Outcome()
+        self.served_by = "aggregated"  # for the router's request log (Flow names its worker pair)
+        self.prefill_done = None  # no separate prefill step to time
         self.abort = ""  # set by cancel(); the loop reaps the job at the next turn
         self.done = False
         self._events: asyncio.Queue = asyncio.Queue()
@@ -119,18 +121,22 @@ class Job:
         """Flow's hook for a departed worker: an in-process job has none."""
 
     async def tokens(self) -> AsyncIterator[list[int]]:
-        """Token ids as they are generated; afterwards `outcome` says how the request ended."""
-        while True:
-            kind, value = await self._events.get()
-            if kind == "tokens":
-                yield value
-            elif kind == "end":
-                self.outcome.finish_reason = value
-                self.outcome.spec = self.seq.stats.as_dict()
-                return
-            else:
-                self.outcome.error = value
-                return
+        """Token ids as they are generated; afterwards `outcome` says how the request ended.
+        Closing it early (the client went away) cancels the job."""
+        try:
+            while True:
+                kind, value = await self._events.get()
+                if kind == "tokens":
+                    yield value
+                elif kind == "end":
+                    self.outcome.finish_reason = value
+                    self.outcome.spec = self.seq.stats.as_dict()
+                    return
+                else:
+                    self.outcome.error = value
+                    return
+        finally:
+            self.cancel("the client went away")  # a no-op once the job ended
 
     # --- called by the engine loop ------------------------------------------------------------
     def _push(self, tokens: list[int]) -> None:

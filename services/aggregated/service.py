@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import AsyncIterator
 
 import torch
 
 from baton.proto import subjects
-from baton.proto.public import CancelRequest, GenerateRequest, SpecStats, Timing, Usage
+from baton.proto.public import CancelRequest, GenerateRequest
 from baton.shared.bus import Bus
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.model.checkpoint import load_model
 from baton.shared.model.tokenizer import TextTokenizer
 
 from ..router.service import Router, RouterConfig
-from ..router.text import TextStream
-from .engine import AggregatedConfig, AggregatedEngine
+from .engine import AggregatedConfig, AggregatedEngine, Job
 
 log = logging.getLogger("baton.aggregated")
 
@@ -48,37 +45,9 @@ class AggregatedService(Router):
         for job in self.flows.values():
             job.cancel("service shutting down")
 
-    async def _run(self, req: GenerateRequest, request_id: str, ids: list[int]) -> AsyncIterator[tuple]:
-        """As Router._run: yields (token_ids, text) deltas, then one final ("done", summary)."""
-        started = time.monotonic()
-        stop_ids = list(req.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            stop_ids.append(self.tokenizer.eos_token_id)
-        params = SamplingParams(req.temperature, req.top_p, req.seed)
-        job = await self.engine.submit(request_id, ids, req.max_tokens, params, stop_ids)
-        text, n_tokens, ttft = TextStream(self.tokenizer, req.stop), 0, None
-        self.flows[request_id] = job
-        try:
-            async for new_ids in job.tokens():
-                ttft = ttft if ttft is not None else (time.monotonic() - started) * 1000
-                ids_out, delta = text.add(new_ids)
-                n_tokens += len(ids_out)
-                if ids_out or delta:
-                    yield ids_out, delta
-                if text.stopped:
-                    job.cancel("stop string")
-        finally:
-            self.flows.pop(request_id, None)
-            job.cancel("the client went away")  # no-op when it ended; else it leaves the batch
-        outcome = job.outcome
-        if outcome.error is not None:
-            raise outcome.error
-        reason = "stop" if text.stopped else outcome.finish_reason
-        total = (time.monotonic() - started) * 1000
-        yield [], text.finish()
-        yield "done", dict(finish_reason=reason, usage=Usage(prompt_tokens=len(ids), completion_tokens=n_tokens),
-                           spec=SpecStats(**outcome.spec),
-                           timing=Timing(ttft_ms=ttft if ttft is not None else total, total_ms=total))
+    async def _open_flow(self, request_id: str, ids: list[int], max_tokens: int, sampling) -> Job:
+        params = SamplingParams(sampling.temperature, sampling.top_p, sampling.seed)
+        return await self.engine.submit(request_id, ids, max_tokens, params, list(sampling.stop_token_ids))
 
 
 async def open_service(bus: Bus, args_or_config) -> AggregatedService:

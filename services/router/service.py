@@ -105,6 +105,11 @@ class Router:
             raise bad_request(f"request id {request_id} is already in flight")
         return req, request_id, ids
 
+    async def _open_flow(self, request_id: str, ids: list[int], max_tokens: int, sampling: SamplingParams) -> Flow:
+        """What drives one request: a Flow through the cluster (the aggregated baseline overrides
+        this with an in-process job of the same surface: tokens(), outcome, cancel())."""
+        return Flow(self.bus, self.directory, self.config.timeouts, request_id, ids, max_tokens, sampling)
+
     async def _run(self, req: GenerateRequest, request_id: str, ids: list[int]) -> AsyncIterator[tuple]:
         """Yields (token_ids, text) deltas, then one final ("done", summary fields)."""
         started = time.monotonic()
@@ -113,7 +118,7 @@ class Router:
             stop_ids.append(self.tokenizer.eos_token_id)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                   stop_token_ids=stop_ids)
-        flow = Flow(self.bus, self.directory, self.config.timeouts, request_id, ids, req.max_tokens, sampling)
+        flow = await self._open_flow(request_id, ids, req.max_tokens, sampling)
         text, n_tokens, ttft = TextStream(self.tokenizer, req.stop), 0, None
         self.flows[request_id] = flow
         self.metrics.in_flight.inc()
