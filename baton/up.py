@@ -71,6 +71,13 @@ class Cluster:
         return [(role, p.returncode) for role, p in self.children if p.poll() is not None]
 
     def stop(self, grace_s: float = 20.0) -> None:
+        """Every service (SIGTERM, then SIGKILL after `grace_s`), then the NATS server."""
+        self.stop_services(grace_s)
+        if self.server is not None:
+            self.server.stop()
+
+    def stop_services(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the router first, the workers next, the registry last; SIGKILL after `grace_s`."""
         order = {"router": 0, "http": 0, "prefill": 1, "decode": 1, "registry": 2}
         for rank in sorted(set(order.values())):
             group = [p for role, p in self.children if order.get(role, 1) == rank and p.poll() is None]
@@ -83,8 +90,6 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-        if self.server is not None:
-            self.server.stop()
 
 
 async def wait_ready(url: str, cluster: Cluster, prefill: int, decode: int, timeout_s: float,

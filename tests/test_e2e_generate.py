@@ -170,3 +170,5 @@ def test_client_that_stops_listening_is_cancelled(cluster):
         await wait_all_free(cluster.nats_url, timeout_s=10)
     asyncio.run(run())
     assert scrape(router).get("baton_requests_total[('outcome', 'disconnected')]", 0) == before + 1
+    later = asyncio.run(generate(cluster.nats_url, token_ids=prompts()[1], max_tokens=12))
+    assert later.token_ids == Reference().greedy(prompts()[1], 12)[:len(later.token_ids)]

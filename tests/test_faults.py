@@ -158,7 +158,7 @@ def test_sigterm_stops_every_service_cleanly(reference):
                 p = prompt(50, 60)
                 inflight = asyncio.create_task(outcome(bus, p, 60))
                 await asyncio.sleep(0.3)
-                stopper = asyncio.get_running_loop().run_in_executor(None, cluster.stop)
+                stopper = asyncio.get_running_loop().run_in_executor(None, cluster.stop_services)
                 reply = await inflight
                 await stopper
                 return p, reply
@@ -189,3 +189,24 @@ def test_failed_or_unnotified_transfer_ends_with_an_error_and_frees_slots(monkey
         assert isinstance(result, BatonError) and result.code.value in ("internal", "unavailable", "timeout"), result
         assert elapsed < 20, elapsed
         asyncio.run(wait_all_free(cluster.nats_url))
+        # a healthy prefill replaces the faulty one: later requests are exact again
+        monkeypatch.delenv("BATON_TRANSFER_FAULTS")
+        cluster.spawn("prefill", ["--model", str(DEFAULT_MODEL_DIR), "--threads", "1"], cluster.log_dir)
+        faulty = next(p for r, p in cluster.children if r == "prefill")
+        faulty.terminate()
+        faulty.wait(30)
+
+        async def later():
+            bus = await Bus.connect(cluster.nats_url, "test")
+            try:
+                for _ in range(60):
+                    loads = await worker_loads(cluster.nats_url)
+                    if sum(v[0] == "prefill" for v in loads.values()) == 1 and faulty.returncode is not None:
+                        break
+                    await asyncio.sleep(0.5)
+                p = prompt(30, 71)
+                return p, await outcome(bus, p, 10)
+            finally:
+                await bus.close()
+        p, reply = asyncio.run(later())
+        assert_exact(Reference(), p, reply, 10)

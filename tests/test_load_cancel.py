@@ -1,7 +1,7 @@
 """Load with random cancellations: every request gets exactly one answer (a reply or an error code),
 nothing leaks, and the client's counts reconcile with the router's metrics.
 
-    BATON_LOAD_REQUESTS=2000 BATON_LOAD_CONCURRENCY=64 pytest tests/test_load_cancel.py   # the full run
+    BATON_LOAD_REQUESTS=200 BATON_LOAD_CONCURRENCY=16 pytest tests/test_load_cancel.py   # a quicker run
 """
 import asyncio
 import collections
@@ -21,8 +21,8 @@ from e2e_cluster import running_cluster, wait_all_free
 from test_e2e_generate import scrape
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
-REQUESTS = int(os.environ.get("BATON_LOAD_REQUESTS", "200"))
-CONCURRENCY = int(os.environ.get("BATON_LOAD_CONCURRENCY", "32"))
+REQUESTS = int(os.environ.get("BATON_LOAD_REQUESTS", "2000"))
+CONCURRENCY = int(os.environ.get("BATON_LOAD_CONCURRENCY", "64"))
 
 
 async def drive(url: str, prompts: list[list[int]]) -> collections.Counter:

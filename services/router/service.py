@@ -27,6 +27,7 @@ from .flow import Flow, RouterTimeouts
 from .text import TextStream
 
 log = logging.getLogger("baton.router")
+EARLY_CANCEL_KEEP_S = 30.0  # how long a cancel for a not-yet-seen request id is remembered
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Router:
         self.directory = Directory(bus)
         self.directory.on_left = self._worker_left
         self.flows: dict[str, Flow] = {}
+        self._early_cancels: dict[str, float] = {}  # request id -> until when a cancel that beat its request counts
         self.metrics = ServiceMetrics("router")
         self._tasks: list[asyncio.Task] = []
 
@@ -66,16 +68,28 @@ class Router:
         return self._stream(*prepared) if req.stream else self._unary(*prepared)
 
     async def cancel(self, req: CancelRequest) -> CancelReply:
-        """Any router may receive the cancel; the one driving the request acts on it."""
+        """Any router may receive the cancel; the one driving the request acts on it. A cancel
+        that arrives before its request (they race on the wire) is remembered for a while, and the
+        request is aborted as soon as it starts."""
         if self.cancel_owned_now(req.request_id):
             return CancelReply(request_id=req.request_id, cancelled=True)
+        self._remember_cancel(req.request_id)
         try:
             return await self.bus.request(subjects.ROUTER_CANCEL, req, CancelReply, timeout=1.0)
         except BatonError:
             return CancelReply(request_id=req.request_id, cancelled=False)
 
     async def cancel_owned(self, req: CancelRequest) -> CancelReply | None:
-        return CancelReply(request_id=req.request_id, cancelled=True) if self.cancel_owned_now(req.request_id) else None
+        if self.cancel_owned_now(req.request_id):
+            return CancelReply(request_id=req.request_id, cancelled=True)
+        self._remember_cancel(req.request_id)
+        return None
+
+    def _remember_cancel(self, request_id: str, keep_s: float = EARLY_CANCEL_KEEP_S) -> None:
+        now = time.monotonic()
+        if len(self._early_cancels) > 10_000:
+            self._early_cancels = {r: t for r, t in self._early_cancels.items() if t > now}
+        self._early_cancels[request_id] = now + keep_s
 
     def cancel_owned_now(self, request_id: str) -> bool:
         flow = self.flows.get(request_id)
@@ -121,6 +135,8 @@ class Router:
         flow = await self._open_flow(request_id, ids, req.max_tokens, sampling)
         text, n_tokens, ttft = TextStream(self.tokenizer, req.stop), 0, None
         self.flows[request_id] = flow
+        if self._early_cancels.pop(request_id, 0.0) > time.monotonic():
+            flow.cancel("cancelled before it started")
         self.metrics.in_flight.inc()
         last_chunk, completed = None, False
         try:
