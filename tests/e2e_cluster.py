@@ -69,6 +69,16 @@ async def wait_all_free(url: str, timeout_s: float = 20.0, min_requests: int = 0
         await asyncio.sleep(0.25)
 
 
+def window_prompts() -> list[list[int]]:
+    """Held-out prompts shorter than, equal to and several times longer than the sliding window."""
+    from baton.shared.model.checkpoint import load_model
+    from baton.shared.model.heldout import heldout_prompts
+    from baton.shared.model.tokenizer import TextTokenizer
+    W = load_model().cfg.sliding_window
+    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
+    return [heldout_prompts(tok, 1, n, seed=n)[0] for n in (W // 2, W, 4 * W + 5)]
+
+
 class Reference:
     """transformers' Qwen3ForCausalLM greedy generate on the same checkpoint."""
 
@@ -96,4 +106,4 @@ class Reference:
         return f"diverged at generated token {i}: got {got[i]}, reference {want[i]}, reference top-2 margin {margin:.2e}"
 
 
-__all__ = ["Cluster", "Reference", "running_cluster", "wait_all_free", "worker_loads"]
+__all__ = ["Cluster", "Reference", "running_cluster", "wait_all_free", "window_prompts", "worker_loads"]

@@ -14,14 +14,10 @@ from baton.proto.public import CancelReply, CancelRequest, GenerateReply, Genera
 from baton.services.aggregated.engine import AggregatedConfig
 from baton.services.aggregated.service import close_service, open_service
 from baton.shared.bus import Bus, NatsServer
-from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
-from baton.shared.model.heldout import heldout_prompts
-from baton.shared.model.tokenizer import TextTokenizer
-from e2e_cluster import Reference
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from e2e_cluster import Reference, window_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-W = load_model().cfg.sliding_window
-PROMPT_LENGTHS = [W // 2, W, 4 * W + 5]
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +29,6 @@ def nats_url():
 @pytest.fixture(scope="module")
 def reference():
     return Reference()
-
-
-def prompts() -> list[list[int]]:
-    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
-    return [heldout_prompts(tok, 1, n, seed=n)[0] for n in PROMPT_LENGTHS]
 
 
 @contextlib.asynccontextmanager
@@ -80,12 +71,12 @@ def test_greedy_equals_transformers_with_staggered_arrivals(nats_url, reference,
                 await asyncio.sleep(delay)
                 return await client.request(subjects.GENERATE, GenerateRequest(token_ids=p, max_tokens=40),
                                             GenerateReply, timeout=300)
-            replies = await asyncio.gather(*(one(0.15 * i, p) for i, p in enumerate(prompts())))
+            replies = await asyncio.gather(*(one(0.15 * i, p) for i, p in enumerate(window_prompts())))
             await asyncio.sleep(0.1)
             assert_all_free(engine)
             return replies
     replies = asyncio.run(run())
-    for p, reply in zip(prompts(), replies):
+    for p, reply in zip(window_prompts(), replies):
         want = reference.greedy(p, 40)
         assert reply.token_ids == want, reference.explain(p, reply.token_ids, want)
         assert reply.usage.prompt_tokens == len(p) and reply.usage.completion_tokens == len(want)
@@ -97,7 +88,7 @@ def test_greedy_equals_transformers_with_staggered_arrivals(nats_url, reference,
 
 @pytest.mark.parametrize("draft_state", ["rebuild", "cold"])
 def test_other_draft_states_are_lossless_too(nats_url, reference, draft_state):
-    p = prompts()[2]
+    p = window_prompts()[2]
     async def run():
         async with aggregated(nats_url, draft_state=draft_state) as (client, engine):
             return await client.request(subjects.GENERATE, GenerateRequest(token_ids=p, max_tokens=24),
@@ -125,7 +116,7 @@ def test_stream_equals_unary_and_stop_strings_apply(nats_url):
 def test_cancel_mid_stream_frees_everything(nats_url):
     async def run():
         async with aggregated(nats_url) as (client, engine):
-            request = GenerateRequest(token_ids=prompts()[2], max_tokens=400, stream=True, request_id="agg-cancel-1")
+            request = GenerateRequest(token_ids=window_prompts()[2], max_tokens=400, stream=True, request_id="agg-cancel-1")
             got = []
             async with client.stream_request(subjects.GENERATE, request, StreamChunk, timeout_per_message=120) as chunks:
                 async for chunk in chunks:
@@ -147,7 +138,7 @@ def test_cancel_mid_stream_frees_everything(nats_url):
 def test_full_engine_answers_busy_and_recovers(nats_url):
     async def run():
         async with aggregated(nats_url, num_slots=1) as (client, engine):
-            long = asyncio.create_task(stream(client, token_ids=prompts()[0], max_tokens=200))
+            long = asyncio.create_task(stream(client, token_ids=window_prompts()[0], max_tokens=200))
             while not engine.running:
                 await asyncio.sleep(0.01)
             with pytest.raises(BatonError) as info:
@@ -225,7 +216,7 @@ def test_serve_entry_takes_serve_options_and_stops_cleanly(nats_url):
             while not bus.endpoints:
                 await asyncio.sleep(0.02)
             pending = asyncio.create_task(client.request(
-                subjects.GENERATE, GenerateRequest(token_ids=prompts()[0], max_tokens=64), GenerateReply, timeout=60))
+                subjects.GENERATE, GenerateRequest(token_ids=window_prompts()[0], max_tokens=64), GenerateReply, timeout=60))
             await asyncio.sleep(0.2)
             stop.set()
             reply = await pending

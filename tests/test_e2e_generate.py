@@ -10,14 +10,9 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError
 from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
-from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
-from baton.shared.model.heldout import heldout_prompts
-from baton.shared.model.tokenizer import TextTokenizer
-from e2e_cluster import Reference, running_cluster, wait_all_free
+from e2e_cluster import Reference, running_cluster, wait_all_free, window_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-W = load_model().cfg.sliding_window
-PROMPT_LENGTHS = [W // 2, W, 4 * W + 5]
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +26,6 @@ def reference():
     return Reference()
 
 
-def prompts() -> list[list[int]]:
-    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
-    return [heldout_prompts(tok, 1, n, seed=n)[0] for n in PROMPT_LENGTHS]
-
-
 async def generate(url: str, **fields) -> GenerateReply:
     bus = await Bus.connect(url, "test")
     try:
@@ -46,9 +36,9 @@ async def generate(url: str, **fields) -> GenerateReply:
 
 def test_greedy_equals_transformers_concurrently(cluster, reference):
     async def run():
-        return await asyncio.gather(*(generate(cluster.nats_url, token_ids=p, max_tokens=40) for p in prompts()))
+        return await asyncio.gather(*(generate(cluster.nats_url, token_ids=p, max_tokens=40) for p in window_prompts()))
     replies = asyncio.run(run())
-    for p, reply in zip(prompts(), replies):
+    for p, reply in zip(window_prompts(), replies):
         want = reference.greedy(p, 40)
         assert reply.token_ids == want, reference.explain(p, reply.token_ids, want)
         assert reply.usage.prompt_tokens == len(p) and reply.usage.completion_tokens == len(want)
@@ -80,7 +70,7 @@ def test_cancel_mid_stream_frees_everything(cluster):
     async def run():
         bus = await Bus.connect(cluster.nats_url, "test")
         try:
-            request = GenerateRequest(token_ids=prompts()[2], max_tokens=400, stream=True, request_id="cancel-me-1")
+            request = GenerateRequest(token_ids=window_prompts()[2], max_tokens=400, stream=True, request_id="cancel-me-1")
             got = []
             async with bus.stream_request(subjects.GENERATE, request, StreamChunk, timeout_per_message=120) as chunks:
                 async for chunk in chunks:
@@ -159,7 +149,7 @@ def test_client_that_stops_listening_is_cancelled(cluster):
     async def run():
         bus = await Bus.connect(cluster.nats_url, "test")
         try:
-            stream = bus.stream_request(subjects.GENERATE, GenerateRequest(token_ids=prompts()[0], max_tokens=4000,
+            stream = bus.stream_request(subjects.GENERATE, GenerateRequest(token_ids=window_prompts()[0], max_tokens=4000,
                                                                            stream=True), StreamChunk, 60)
             async for _ in stream:
                 break  # one chunk, then stop listening
@@ -170,5 +160,5 @@ def test_client_that_stops_listening_is_cancelled(cluster):
         await wait_all_free(cluster.nats_url, timeout_s=10)
     asyncio.run(run())
     assert scrape(router).get("baton_requests_total[('outcome', 'disconnected')]", 0) == before + 1
-    later = asyncio.run(generate(cluster.nats_url, token_ids=prompts()[1], max_tokens=12))
-    assert later.token_ids == Reference().greedy(prompts()[1], 12)[:len(later.token_ids)]
+    later = asyncio.run(generate(cluster.nats_url, token_ids=window_prompts()[1], max_tokens=12))
+    assert later.token_ids == Reference().greedy(window_prompts()[1], 12)[:len(later.token_ids)]

@@ -13,7 +13,7 @@ from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
-from e2e_cluster import Reference, running_cluster, wait_all_free, worker_loads
+from e2e_cluster import Reference, running_cluster, wait_all_free
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 W = load_model().cfg.sliding_window
