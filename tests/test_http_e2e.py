@@ -37,7 +37,9 @@ def up(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("up")
     port = free_port()
     env = {**os.environ, "BATON_STATE": str(tmp / "up.json")}
-    proc = subprocess.Popen([sys.executable, "-m", "baton", "up", "--http", "--http-port", str(port),
+    # --no-auth: this test also talks to the internal subjects to check capacity (tests/test_security.py
+    # covers the generated users)
+    proc = subprocess.Popen([sys.executable, "-m", "baton", "up", "--http", "--http-port", str(port), "--no-auth",
                              "--log-dir", str(tmp / "logs"), *WORKER_FLAGS], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: queue.Queue = queue.Queue()
