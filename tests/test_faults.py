@@ -78,6 +78,7 @@ def test_decode_killed_mid_request(reference):
                     if sum(v[0] == "decode" for v in loads.values()) == 2:
                         break
                     await asyncio.sleep(0.5)
+                await asyncio.sleep(1.0)  # the router's view refreshes every 0.5 s
                 replies = await asyncio.gather(*(outcome(bus, later, 8) for _ in range(6)))
                 assert all(isinstance(r, GenerateReply) for r in replies), replies
             finally:

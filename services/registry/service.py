@@ -11,7 +11,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
 from baton.proto import subjects
@@ -148,14 +148,14 @@ class Registry:
     async def _get(self, worker_id: str) -> WorkerInfo | None:
         try:
             entry = await self.kv.get(worker_id)
-        except KeyNotFoundError:
+        except (KeyNotFoundError, KeyDeletedError):
             return None
         return decode(entry.value, WorkerInfo)
 
     async def _all(self) -> list[WorkerInfo]:
         try:
             keys = await self.kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
+        except NoKeysError:  # an empty bucket; any other error propagates (callers keep their view)
             return []
         infos = [await self._get(k) for k in keys]
         return [i for i in infos if i is not None]
