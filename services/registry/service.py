@@ -83,6 +83,7 @@ class Registry:
         if info is None:
             return HeartbeatReply(registered=False)
         await self.kv.put(beat.worker_id, encode(WorkerInfo(registration=info.registration, load=beat.load)))
+        self._known.setdefault(beat.worker_id, info.registration.role)  # e.g. after a registry restart
         return HeartbeatReply(registered=True)
 
     async def deregister(self, msg: Deregistration) -> Ack:
@@ -153,11 +154,14 @@ class Registry:
         return decode(entry.value, WorkerInfo)
 
     async def _all(self) -> list[WorkerInfo]:
+        """Every live worker: the bucket's keys plus every worker this registry knows, each read
+        on its own. Listing keys alone is not trusted: nats-py's keys() can come back empty
+        (NoKeysError) for a moment while entries exist, which would drop live workers."""
         try:
-            keys = await self.kv.keys()
-        except NoKeysError:  # an empty bucket; any other error propagates (callers keep their view)
-            return []
-        infos = [await self._get(k) for k in keys]
+            keys = set(await self.kv.keys())
+        except NoKeysError:
+            keys = set()
+        infos = [await self._get(k) for k in sorted(keys | set(self._known))]
         return [i for i in infos if i is not None]
 
     async def _event(self, kind: str, worker_id: str, role: str, reason: str = "") -> None:
