@@ -30,6 +30,19 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _block_visible(kpos, q_lo, q_hi, window, WINDOWED: tl.constexpr):
+    """kpos [BN] key positions (-1: padding) -> (valid keys [BN], whether any query of the tile
+    with positions q_lo..q_hi can see any of them): blocks nobody sees are skipped."""
+    k_ok = kpos >= 0
+    k_lo = tl.min(tl.where(k_ok, kpos, 1 << 62))
+    k_hi = tl.max(tl.where(k_ok, kpos, -1))
+    visible = (k_lo <= q_hi) & (k_hi >= 0)
+    if WINDOWED:
+        visible = visible & (k_hi > q_lo - window)
+    return k_ok, visible
+
+
+@triton.jit
 def _online_softmax_step(q, k_t, v, ok, m_i, l_i, acc, sm_scale_log2,
                          DOT_DTYPE: tl.constexpr):
     # q: [BM, BD]; k_t: [BD, BN]; v: [BN, BD]; ok: [BM, BN] bool; m_i, l_i: [BM]; acc: [BM, BD]
@@ -82,12 +95,7 @@ def _chunk_attention_kernel(
     for start in range(0, M, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         kpos = tl.load(OPOS + b * s_ob + n * s_om, mask=n < M, other=-1)  # [BN]
-        k_ok = kpos >= 0
-        k_lo = tl.min(tl.where(k_ok, kpos, 1 << 62))
-        k_hi = tl.max(tl.where(k_ok, kpos, -1))
-        visible = (k_lo <= q_hi) & (k_hi >= 0)
-        if WINDOWED:
-            visible = visible & (k_hi > q_lo - window)
+        k_ok, visible = _block_visible(kpos, q_lo, q_hi, window, WINDOWED)
         if visible:
             rows = tl.load(OROWS + b * s_rb + n * s_rm, mask=k_ok, other=0).to(tl.int64)  # [BN]
             kv_ok = k_ok[:, None] & d_ok[None, :]
@@ -106,12 +114,7 @@ def _chunk_attention_kernel(
     for start in range(0, Qlen, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         kpos = tl.load(QPOS + b * s_pb + j * s_pq, mask=j < Qlen, other=-1)  # [BN]
-        k_ok = kpos >= 0
-        k_lo = tl.min(tl.where(k_ok, kpos, 1 << 62))
-        k_hi = tl.max(tl.where(k_ok, kpos, -1))
-        visible = (k_lo <= q_hi) & (k_hi >= 0)
-        if WINDOWED:
-            visible = visible & (k_hi > q_lo - window)
+        k_ok, visible = _block_visible(kpos, q_lo, q_hi, window, WINDOWED)
         if visible:
             kv_ok = k_ok[:, None] & d_ok[None, :]
             k_t = tl.load(KN + b * s_knb + j[None, :] * s_knq + kvh * s_knh + d[:, None],
