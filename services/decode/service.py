@@ -34,7 +34,7 @@ from baton.shared.transfer.arrivals import EventKind
 
 from baton.shared.metrics import ServiceMetrics, log_request
 
-from ..router.flow import request_tag
+from baton.shared.transfer.notices import request_tag
 from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration,
                       regions_of)
 

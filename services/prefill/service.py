@@ -33,7 +33,7 @@ from baton.shared.transfer.regions import Descriptor
 
 from baton.shared.metrics import ServiceMetrics, log_request
 
-from ..router.flow import request_tag
+from baton.shared.transfer.notices import request_tag
 from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration,
                       regions_of)
 

@@ -9,7 +9,6 @@ queue, so whichever comes first decides, and every exit releases what was reserv
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -49,11 +48,6 @@ class AttemptLost(Exception):
     def __init__(self, error: BatonError) -> None:
         super().__init__(error.message)
         self.error = error
-
-
-def request_tag(request_id: str) -> int:
-    """The u64 tag NIXL notifications and the aux row carry for a request."""
-    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") >> 1
 
 
 def plan_components(plan: dict) -> list[str]:

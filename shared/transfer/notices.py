@@ -10,6 +10,7 @@ A notice is `b"BTN" + kind (1 byte) + tag (u64 LE) + part (u8) + parts (u8) + co
 """
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 from enum import Enum
@@ -48,3 +49,8 @@ def decode(message: bytes) -> Notice | None:
         return Notice(Kind(kind), tag, message[_HEAD.size:].decode(), part, parts)
     except ValueError:  # unknown kind or not utf-8
         return None
+
+
+def request_tag(request_id: str) -> int:
+    """The u64 tag NIXL notifications and the aux row carry for a request."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") >> 1
