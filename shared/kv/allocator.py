@@ -1,5 +1,13 @@
-"""A pool of integer ids (pages, SWA pages, ring/aux slots) with all-or-nothing takes."""
+"""A pool of integer ids (pages, SWA pages, ring/aux slots) with all-or-nothing takes.
+
+Ids are handed out as contiguous ascending runs where the free space allows: a take is served by
+the smallest free run that holds it (best fit, lowest ids on a tie), else by the longest free runs.
+Adjacent pages are adjacent in every layer region, so a request whose pages form few runs on both
+sides moves as few large NIXL descriptors (NIXL merges adjacent items of a prepared list).
+"""
 from __future__ import annotations
+
+import numpy as np
 
 
 class KVError(ValueError):
@@ -13,36 +21,54 @@ class OutOfCapacity(KVError):
 class IdPool:
     def __init__(self, size: int, what: str):
         self.size, self.what = size, what
-        self._free = list(range(size - 1, -1, -1))  # popped from the end: lowest ids first
-        self._used: set[int] = set()
+        self._free = np.ones(size, dtype=bool)  # [size] True where the id is free
+        self._num_free = size
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def used(self) -> frozenset[int]:
-        return frozenset(self._used)
+        return frozenset(np.flatnonzero(~self._free).tolist())
 
     def take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfCapacity(f"need {n} {self.what}, {len(self._free)} free of {self.size}")
-        ids = [self._free.pop() for _ in range(n)]
-        self._used.update(ids)
-        return ids
+        if n <= 0:
+            return []
+        if n > self._num_free:
+            raise OutOfCapacity(f"need {n} {self.what}, {self._num_free} free of {self.size}")
+        starts, lengths = self.free_runs()
+        fits = np.flatnonzero(lengths >= n)
+        if fits.size:
+            best = fits[np.argmin(lengths[fits])]  # first minimum: the lowest ids among equals
+            ids = np.arange(starts[best], starts[best] + n)
+        else:  # no run is long enough: the longest runs, as few of them as possible
+            longest = np.argsort(-lengths, kind="stable")
+            upto = np.searchsorted(np.cumsum(lengths[longest]), n)  # runs longest[:upto + 1] hold n
+            ids = np.sort(np.concatenate([np.arange(starts[i], starts[i] + lengths[i])
+                                          for i in longest[:upto + 1]]))[:n]
+        self._free[ids] = False
+        self._num_free -= n
+        return ids.tolist()
 
     def give(self, ids: list[int]) -> None:
-        for i in ids:
-            if i not in self._used:
-                raise KVError(f"{self.what} {i} is returned but was not taken")
-            self._used.remove(i)
-            self._free.append(i)
+        """Return `ids`; all or nothing: an id not taken (or given twice) raises, nothing changes."""
+        arr = np.asarray(ids, dtype=np.int64)
+        bad = [i for i in ids if not 0 <= i < self.size or self._free[i]]
+        if bad or np.unique(arr).size != arr.size:
+            raise KVError(f"{self.what} {bad or sorted(ids)} returned but not taken (or twice)")
+        self._free[arr] = True
+        self._num_free += arr.size
+
+    def free_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, lengths) of the maximal runs of free ids, in id order."""
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], self._free.view(np.int8), [0]])))
+        return edges[0::2], edges[1::2] - edges[0::2]
 
     def check_integrity(self) -> None:
-        free = set(self._free)
-        require(len(free) == len(self._free), f"{self.what}: an id is free twice")
-        require(not free & self._used, f"{self.what}: ids both free and used: {free & self._used}")
-        require(free | self._used == set(range(self.size)), f"{self.what}: ids lost or invented")
+        require(self._free.shape == (self.size,), f"{self.what}: free map has the wrong size")
+        require(int(self._free.sum()) == self._num_free,
+                f"{self.what}: {self._num_free} counted free, {int(self._free.sum())} in the map")
 
 
 def require(condition: bool, message: str) -> None:
