@@ -33,6 +33,7 @@ from baton.shared.kv.aux import HEADER_BYTES, AuxLayout
 from baton.shared.kv.budget import (aux_layout, dtype_name, kv_row_bytes, sliding_span,
                                     swa_pages_per_request)
 from baton.shared.kv.components import Allocation, Component, ComponentId, Geometry, Region
+from baton.shared.kv.host_memory import huge_page_zeros
 from baton.shared.kv.manifest import Manifest
 from baton.shared.kv.paged_swa import PagedSwa
 from baton.shared.kv.routing import AUX_KEY, FULL, SWA, SWA_RING, PoolKey, route_layers
@@ -77,12 +78,11 @@ class KVStore:
         items = {FULL: (num_pages, page_size), SWA: (num_swa_pages, page_size),
                  SWA_RING: (num_slots, self.span)}
         self.data: dict[PoolKey, torch.Tensor] = {
-            key: torch.zeros(len(self.routing.layers_of(key)), *items[key.kind], *shape,
-                             dtype=dtype, device=self.device)
+            key: self._zeros((len(self.routing.layers_of(key)), *items[key.kind], *shape), dtype)
             for key in self.keys}  # [layers, items, item_rows, 2, kv_heads, head_dim]
         self.aux_layout: AuxLayout = aux_layout(cfg)
-        self.aux = torch.zeros(1, num_slots, self.aux_layout.item_bytes, dtype=torch.uint8,
-                               device=self.device)  # [1, num_slots, item_bytes]
+        self.aux = self._zeros((1, num_slots, self.aux_layout.item_bytes),
+                               torch.uint8)  # [1, num_slots, item_bytes]
         self._layer = {layer_id: (key, i) for key in self.keys
                        for i, layer_id in enumerate(self.routing.layers_of(key))}
         self._requests: dict[str, _Request] = {}
@@ -225,6 +225,13 @@ class KVStore:
                         components=tuple(comps))
 
     # --- internals ------------------------------------------------------------------------------
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A pool tensor; on the CPU on huge pages, which NIXL copies between processes at about
+        twice the speed of 4 KiB pages (host_memory)."""
+        if self.device.type == "cpu":
+            return huge_page_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
     def _component(self, key: PoolKey, mem_kind: str) -> Component:
         data = self.data[key]  # [layers, items, item_rows, 2, kv_heads, head_dim]
         row = kv_row_bytes(self.cfg, self.dtype)
