@@ -3,11 +3,17 @@
     python bench/transfer.py --json out/transfer.json
 
 The sender (this process) and the receiver (a spawned child) each hold KV-like pools: `--layers`
-regions of `--page-kib` pages, plus an aux region. A payload of S bytes is sent in realistic
-descriptor shapes: min(layers, S / page) layers, S / (layers * page) pages per layer, page ids
-drawn at random on both sides (`--contiguous`: consecutive ids, which NIXL merges into one
-descriptor per layer), plus one aux row, through `TransferAgent.write` (prepared per-peer lists,
-completion watched by the agent's NIXL thread). Columns (GB/s = 1e9 B/s, medians):
+regions of `--page-kib` pages, plus an aux region. A payload of S bytes is min(layers, S / page)
+layers of S / (layers * page) pages each plus one aux row, sent through `TransferAgent.write`
+(prepared per-peer lists, completion watched by the agent's NIXL thread) as the descriptors Baton's
+transfer plan makes: one per run of pages adjacent on both sides (`merge_runs`). `--shape` picks
+the page ids, on each side:
+  random      drawn at random, per layer: nothing merges (the worst case)
+  churn       one page table for all layers, as the KV store allocates it (`IdPool`) after random
+              requests came and went, fresh each iteration
+  contiguous  0..n-1: one descriptor per layer (a fresh pool)
+Pools are on 2 MiB huge pages, as the KV store allocates them (`--small-pages`: torch's own 4 KiB
+pages, to see what huge pages are worth); the copy baselines always are. Columns (GB/s = 1e9 B/s, medians):
   write    payload / time of `write()` (post to every WRITE DONE)
   arrive   payload / time from `write()` start to the receiver's ARRIVED event
   cma      the same descriptors copied by raw process_vm_writev calls (1024 iovecs per call):
@@ -32,11 +38,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from baton.shared.kv.allocator import IdPool
+from baton.shared.kv.descriptors import merge_runs
+from baton.shared.kv.host_memory import huge_page_zeros
 from baton.shared.transfer import AUX_KEY, Descriptor, EventKind, Region, TransferAgent
 
 KV = "target/FULL"
 AUX_BYTES = 4096
 SIZES = "64K,256K,1M,4M,16M,64M,256M"
+SHAPES = ("random", "churn", "contiguous")
+CHURN_ROUNDS = 8
 
 
 def parse_size(text: str) -> int:
@@ -44,13 +55,18 @@ def parse_size(text: str) -> int:
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
-def make_pools(layers: int, pages: int, page: int, fill: bool) -> dict[tuple[str, int], np.ndarray]:
-    pools = {(KV, layer): np.empty(pages * page, np.uint8) for layer in range(layers)}
-    pools[AUX_KEY, 0] = np.empty(4 * AUX_BYTES, np.uint8)
+def make_pools(layers: int, pages: int, page: int, fill: bool, huge: bool) -> dict[tuple[str, int], np.ndarray]:
+    zeros = host_zeros if huge else lambda n: torch.zeros(n, dtype=torch.uint8)
+    pools = {(KV, layer): zeros(pages * page).numpy() for layer in range(layers)}
+    pools[AUX_KEY, 0] = zeros(4 * AUX_BYTES).numpy()
     rng = np.random.default_rng(0)
     for a in pools.values():  # touch every page now: real pools are resident
         a[:] = rng.integers(0, 256, a.size, dtype=np.uint8) if fill else 0
     return pools
+
+
+def host_zeros(nbytes: int) -> torch.Tensor:
+    return huge_page_zeros((nbytes,), torch.uint8)  # [nbytes], as the KV store allocates pools
 
 
 def regions_of(pools, page: int) -> list[Region]:
@@ -59,8 +75,8 @@ def regions_of(pools, page: int) -> list[Region]:
 
 
 # --- receiver process -------------------------------------------------------------------------
-def receiver(conn, layers: int, pages: int, page: int) -> None:
-    asyncio.run(_receive(conn, make_pools(layers, pages, page, fill=False), page))
+def receiver(conn, layers: int, pages: int, page: int, huge: bool) -> None:
+    asyncio.run(_receive(conn, make_pools(layers, pages, page, fill=False, huge=huge), page))
 
 
 async def _receive(conn, pools, page: int) -> None:
@@ -83,17 +99,37 @@ async def _receive(conn, pools, page: int) -> None:
 
 
 # --- sender -----------------------------------------------------------------------------------
-def plan(payload: int, layers: int, pages: int, page: int, rng, contiguous: bool) -> list[Descriptor]:
+def plan(payload: int, layers: int, pages: int, page: int, rng, shape: str) -> list[Descriptor]:
     used = max(1, min(layers, payload // page))
     per_layer = max(1, payload // (used * page))
     out = []
     for layer in range(used):
-        if contiguous:
-            src = dst = range(per_layer)
-        else:
-            src, dst = (rng.choice(pages, per_layer, replace=False) for _ in range(2))
-        out += [Descriptor(KV, layer, int(s) * page, int(d) * page, page) for s, d in zip(src, dst)]
+        if shape == "random" or layer == 0:
+            src, dst = (page_ids(shape, per_layer, pages, rng) for _ in range(2))
+        out += [Descriptor(KV, layer, s * page, d * page, n * page) for s, d, n in merge_runs(src, dst)]
     return out + [Descriptor(AUX_KEY, 0, 0, AUX_BYTES, AUX_BYTES)]
+
+
+def page_ids(shape: str, n: int, pages: int, rng) -> np.ndarray:
+    if shape == "random":
+        return rng.choice(pages, n, replace=False)
+    if shape == "contiguous":
+        return np.arange(n)
+    return np.array(churned(pages, n, rng).take(n))
+
+
+def churned(pages: int, need: int, rng) -> IdPool:
+    """A pool after CHURN_ROUNDS of: requests of 1..pages/8 pages arrive until one does not fit,
+    then a random half of the live ones leaves; then random ones leave until `need` pages are free."""
+    pool, live = IdPool(pages, "pages"), []
+    for _ in range(CHURN_ROUNDS):
+        while (n := int(rng.integers(1, max(2, pages // 8) + 1))) <= pool.num_free:
+            live.append(pool.take(n))
+        for i in sorted(rng.choice(len(live), len(live) // 2, replace=False), reverse=True):
+            pool.give(live.pop(i))
+    while pool.num_free < need:
+        pool.give(live.pop(int(rng.integers(len(live)))))
+    return pool
 
 
 class _IoVec(ctypes.Structure):
@@ -124,12 +160,14 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
     copies run afterwards: torch's OpenMP workers spin after a parallel op and would steal a
     core from the next WRITE."""
     times: dict[str, list[float]] = {k: [] for k in ("write", "arrive", "cma", "copy1")}
+    counts = []  # descriptors per iteration (churn: each iteration has its own page tables)
     for i in range(args.warmup + args.iters):
-        descriptors = plan(payload, args.layers, args.pages, args.page_kib << 10, rng, args.contiguous)
+        descriptors = plan(payload, args.layers, args.pages, args.page_kib << 10, rng, args.shape)
         nbytes = sum(x.nbytes for x in descriptors[:-1])
+        counts.append(len(descriptors))
         if i == 0:
-            src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-            dst = torch.ones(nbytes, dtype=torch.uint8)  # touched, like the receiver's pools
+            src = host_zeros(nbytes).random_(0, 256)  # huge pages: memcpy's best case
+            dst = host_zeros(nbytes)  # touched, like the receiver's pools
             src1, dst1 = src.numpy(), dst.numpy()
         tag += 1
         conn.send(("expect", tag, [KV], AUX_BYTES))
@@ -152,7 +190,7 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
     conn.send(("read", d.component_key, d.layer_index, d.dst_offset, d.nbytes))
     assert conn.recv() == pools[d.component_key, d.layer_index][d.src_offset:d.src_offset + d.nbytes].tobytes()
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
-    return {"payload_bytes": nbytes, "descriptors": len(descriptors),
+    return {"payload_bytes": nbytes, "descriptors": int(statistics.median(counts)),
             **{f"{k}_gbps": v for k, v in gbps.items()}, "ratio": gbps["write"] / gbps["copy1"],
             "ratio_n": gbps["write"] / gbps["copyn"], "write_ms": statistics.median(times["write"]) * 1e3,
             "tag": tag}
@@ -189,7 +227,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--page-kib", type=int, default=64,
                     help="page bytes per layer (64 KiB: 16 tokens x 8 KV heads x 128 dims x K,V x bf16)")
-    ap.add_argument("--contiguous", action="store_true", help="consecutive page ids instead of random")
+    ap.add_argument("--shape", choices=SHAPES, default="random", help="page ids on both sides (see above)")
+    ap.add_argument("--small-pages", action="store_true",
+                    help="pools on torch's own allocation (4 KiB pages) instead of the KV store's huge pages")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", type=Path)
@@ -199,12 +239,12 @@ def main() -> None:
     args.pages = -(-largest * 5 // (4 * args.layers * page))  # pages per layer region, 25% spare
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=receiver, args=(child_conn, args.layers, args.pages, page), daemon=True)
+    child = ctx.Process(target=receiver, args=(child_conn, args.layers, args.pages, page, not args.small_pages), daemon=True)
     child.start()
     args.receiver_pid = child.pid
-    pools = make_pools(args.layers, args.pages, page, fill=True)
+    pools = make_pools(args.layers, args.pages, page, fill=True, huge=not args.small_pages)
     args.torch_threads = torch.get_num_threads()
-    print(f"pages {'contiguous' if args.contiguous else 'random'}, {args.page_kib} KiB, "
+    print(f"pages {args.shape}, {args.page_kib} KiB, {'4 KiB' if args.small_pages else '2 MiB'} memory pages, "
           f"torch threads {args.torch_threads}, UCX_TLS={os.environ.get('UCX_TLS', '(default)')}")
     print(f"{'MiB':>9} {'descs':>6} " + " ".join(f"{c:>7}" for c in
           ("write", "arrive", "cma", "copy1", "copyN", "ratio", "ratioN")))
@@ -214,7 +254,7 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
         args.json.write_text(json.dumps({"bench": "transfer", "layers": args.layers, "page_bytes": page,
-                                         "contiguous": args.contiguous, "iters": args.iters,
+                                         "shape": args.shape, "huge_pages": not args.small_pages, "iters": args.iters,
                                          "torch_threads": args.torch_threads, "ucx_env": env,
                                          "rows": rows}, indent=2))
 
