@@ -4,6 +4,8 @@ transfer plans. See docs/kv_state.md for the contract; the modules, one job each
     routing     route_layers(cfg, mode) -> LayerRouting: layer id -> PoolKey(owner, kind)
     budget      bytes per token / per slot from the routing; plan_capacity(cfg, byte_budget, ...)
     store       KVStore: component tensors + allocate / extend / rollback / free / rows
+    allocator   IdPool: page / slot ids, handed out as contiguous runs where possible
+    host_memory huge_page_zeros: CPU pool tensors on 2 MiB huge pages (fast NIXL copies)
     components  Component (identity, geometry, regions), Allocation (per-request record)
     manifest    Manifest, to_msgpack / from_msgpack, validate_manifest, fingerprint
     plan        make_plan(prefill, decode) -> TransferPlan; plan.descriptors(L, src, dst)
