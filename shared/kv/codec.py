@@ -8,6 +8,7 @@ path of the first bad field. Supported field types: int, float, str, bool, None,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, TypeVar
@@ -45,13 +46,18 @@ def unpack(cls: type[T], raw: bytes) -> T:
     return from_plain(cls, data)
 
 
+@functools.cache
+def _fields(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
+    """A dataclass's resolved type hints and field names (resolving them is slow: done once)."""
+    return typing.get_type_hints(cls), frozenset(f.name for f in dataclasses.fields(cls))
+
+
 def _decode(tp: Any, data: Any, path: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(data, dict):
             raise CodecError(f"{path}: expected a map, got {type(data).__name__}")
-        hints = typing.get_type_hints(tp)
-        names = {f.name for f in dataclasses.fields(tp)}
+        hints, names = _fields(tp)
         unknown = set(data) - names
         if unknown:
             raise CodecError(f"{path}: unknown field(s) {sorted(unknown)}")
