@@ -66,6 +66,7 @@ class TransferAgent:
         self._sending: set[asyncio.Task] = set()  # notices waiting for a peer lookup
         self._inbox: asyncio.Queue[Notifications] = asyncio.Queue()
         self._nixl = NixlThread(name)
+        self._nixl.expecting = lambda: self.arrivals.pending > 0  # len() of a dict: safe from that thread
         self._reg, self._items, self._metadata = self._nixl.call(nixl_ops.register, self.table)
         self._sender = Sender(self._nixl, self.table, self._items, self.metrics, self._send,
                               faults if faults is not None else Faults.from_env())

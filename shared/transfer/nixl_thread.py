@@ -8,9 +8,11 @@ on the thread "nixl-<name>". Nothing else may touch the agent or its handles.
 
 Progress: NIXL's own progress thread busy-polls a whole core (the Python API fixes its delay at
 0), which on a 2-core machine halves transfer bandwidth, so it is disabled. Instead this thread,
-between calls, (1) calls `get_new_notifs` every PROGRESS_S: that progresses UCX (a WRITE to us
-completes on the sender only while we progress) and collects notifications, handed to the sink
-(`set_sink`); (2) checks the state of watched WRITEs (`watch`), from WATCH_FIRST_S backing off
+between calls, (1) calls `get_new_notifs` every PROGRESS_S, or every EXPECTING_PROGRESS_S while
+`expecting()` says a WRITE to us is due (a receiver waiting for a request's state): that
+progresses UCX (a WRITE to us completes on the sender only while we progress) and collects
+notifications, handed to the sink (`set_sink`), so how soon an arrival is seen is set by this
+interval; (2) checks the state of watched WRITEs (`watch`), from WATCH_FIRST_S backing off
 to WATCH_MAX_S; once none is in flight it releases their handles and calls their callback. Sink and callbacks run on this
 thread: they must be thread safe (e.g. `loop.call_soon_threadsafe`).
 """
@@ -32,6 +34,7 @@ from .nixl_ops import refresh, release
 log = logging.getLogger(__name__)
 
 PROGRESS_S = 0.001
+EXPECTING_PROGRESS_S = 0.0001  # ~10 % of a core while a transfer to us is due, for a prompt arrival
 WATCH_FIRST_S = 0.00005  # a small WRITE with its notification takes ~0.2 ms on loopback
 WATCH_MAX_S = 0.0005
 _PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
@@ -46,6 +49,7 @@ def _create(name: str) -> Any:
 
 class NixlThread:
     def __init__(self, name: str):
+        self.expecting: Callable[[], bool] = lambda: False  # read on the NIXL thread: must be cheap and safe
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._held: Notifications = {}  # collected, not yet handed to a sink (NIXL thread only)
         self._sink: Callable[[Notifications], None] | None = None
@@ -103,7 +107,7 @@ class NixlThread:
             now = time.monotonic()
             if now >= next_progress:
                 self._progress(agent)
-                next_progress = now + PROGRESS_S
+                next_progress = now + (EXPECTING_PROGRESS_S if self.expecting() else PROGRESS_S)
             wake = min([next_progress, *(w.next_check for w in self._watch_due(agent))])
             try:
                 item = self._calls.get(timeout=max(0.0, wake - time.monotonic()))
