@@ -72,13 +72,56 @@ async def send(url: str, prompts: list[list[int]], max_tokens: int) -> None:
         await bus.close()
 
 
-def router_log(log_dir: Path) -> list[dict]:
+def request_log(log_dir: Path, service: str) -> list[dict]:
     rows = []
-    for path in log_dir.glob("router-*.log"):
+    for path in log_dir.glob(f"{service}-*.log"):
         for line in path.read_text().splitlines():
             if "baton.requests:" in line:
                 rows.append(json.loads(line.split("baton.requests: ", 1)[1]))
     return rows
+
+
+def router_log(log_dir: Path) -> list[dict]:
+    return request_log(log_dir, "router")
+
+
+# The request path hop by hop: (what, from (service, stage), to (service, stage)); stamps are
+# CLOCK_MONOTONIC ms, shared by all processes on the machine.
+HOPS = [
+    ("router: accept -> flow admit", ("router", "received"), ("router", "admit")),
+    ("NATS router -> prefill dispatch", ("router", "admit"), ("prefill", "received")),
+    ("prefill: queue -> batch", ("prefill", "received"), ("prefill", "batched")),
+    ("prefill: hop to engine thread", ("prefill", "batched"), ("prefill", "computing")),
+    ("prefill: compute (model)", ("prefill", "computing"), ("prefill", "computed")),
+    ("  meanwhile: router pick + plan", ("router", "admit"), ("router", "reserve")),
+    ("  meanwhile: NATS router -> decode", ("router", "reserve"), ("decode", "reserve")),
+    ("  meanwhile: decode allocates slots", ("decode", "reserve"), ("decode", "reserved")),
+    ("  meanwhile: NATS decode -> router", ("decode", "reserved"), ("router", "reserved")),
+    ("  meanwhile: target to prefill (RTT)", ("router", "reserved"), ("router", "targeted")),
+    ("prefill: engine -> write task", ("prefill", "computed"), ("prefill", "write")),
+    ("NIXL write (sender's view)", ("prefill", "write"), ("prefill", "written")),
+    ("decode: notified after write start", ("prefill", "write"), ("decode", "arrived")),
+    ("decode: publish first token", ("decode", "arrived"), ("decode", "first_chunk")),
+    ("NATS decode -> router chunk", ("decode", "first_chunk"), ("router", "first_chunk")),
+    ("TTFT at the router", ("router", "received"), ("router", "first_chunk")),
+]
+
+
+def hop_table(log_dir: Path, request_ids: set[str]) -> dict[str, dict[str, float]]:
+    """p50/p90 of every hop in HOPS over the given requests (every service's stamps joined by
+    request id)."""
+    stamps: dict[str, dict[tuple[str, str], float]] = {}
+    for service in ("router", "prefill", "decode"):
+        for row in request_log(log_dir, service):
+            if row["request_id"] in request_ids and row.get("at"):
+                at = stamps.setdefault(row["request_id"], {})
+                at.update({(service, stage): t for stage, t in row["at"].items()})
+    table = {}
+    for name, start, end in HOPS:
+        values = [at[end] - at[start] for at in stamps.values() if start in at and end in at]
+        if values:
+            table[name] = {"p50": pct(values, 0.5), "p90": pct(values, 0.9), "mean": statistics.mean(values)}
+    return table
 
 
 def plan_bytes(length: int, k: int = 3) -> dict[str, int]:
@@ -114,6 +157,10 @@ def main() -> None:
         rows = router_log(cluster.log_dir)[before:]
         asyncio.run(send(cluster.nats_url, growing, 1))
         grow_rows = router_log(cluster.log_dir)[before + len(rows):]
+        log_dir = cluster.log_dir
+    prefill = {r["request_id"]: r for r in request_log(log_dir, "prefill")}  # its own timing: the
+    rows = [dict(r, prefill_ms=prefill[r["request_id"]]["prefill_ms"],  # router may finish before
+                 transfer_ms=prefill[r["request_id"]]["transfer_ms"]) for r in rows]  # prefill's reply
     overhead = [r["ttft_ms"] - r["prefill_ms"] - r["transfer_ms"] for r in rows]
     table = {name: {"p50": pct(v, 0.5), "p90": pct(v, 0.9), "mean": statistics.mean(v)} for name, v in (
         ("ttft_ms", [r["ttft_ms"] for r in rows]), ("prefill_ms", [r["prefill_ms"] for r in rows]),
@@ -123,6 +170,11 @@ def main() -> None:
     print(f"{'':<18} {'p50':>8} {'p90':>8} {'mean':>8}")
     for name, v in table.items():
         print(f"{name:<18} {v['p50']:>8.2f} {v['p90']:>8.2f} {v['mean']:>8.2f}")
+    hops = hop_table(log_dir, {r["request_id"] for r in rows})
+    print(f"\nthe same requests hop by hop (ms; stamps from every service's request log)")
+    print(f"{'':<36} {'p50':>8} {'p90':>8} {'mean':>8}")
+    for name, v in hops.items():
+        print(f"{name:<36} {v['p50']:>8.2f} {v['p90']:>8.2f} {v['mean']:>8.2f}")
     print(f"\ntransfer bytes per request (k=3, draft state travels):")
     print(f"{'prompt':>7} {'measured':>10} " + " ".join(f"{c:>16}" for c in plan_bytes(W)))
     growth = []
@@ -132,7 +184,7 @@ def main() -> None:
         print(f"{n:>7} {r['transfer_bytes']:>10,} " + " ".join(f"{b:>16,}" for b in split.values()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"latency": table, "requests": rows, "transfer_growth": growth}, indent=2))
+        args.json.write_text(json.dumps({"latency": table, "hops": hops, "requests": rows, "transfer_growth": growth}, indent=2))
 
 
 if __name__ == "__main__":

@@ -145,7 +145,8 @@ class ReserveReply:
 
 @dataclass(frozen=True, kw_only=True)
 class ReleaseRequest:
-    """Abort a reserved or running request on decode and free its pages and slots."""
+    """Abort a request and free what it holds: on decode, a reserved or running request's pages
+    and slots; on prefill, a dispatched request that has no PrefillTarget yet."""
 
     request_id: RequestId
     reason: str = ""
@@ -176,11 +177,19 @@ class TokenChunk:
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillDispatch:
-    """Router -> prefill: run the prompt and WRITE its state into decode's reserved slots."""
+    """Router -> prefill: run the prompt now; where its state goes follows in a PrefillTarget
+    (sent once decode has reserved slots, while the prompt computes)."""
 
     request_id: RequestId
     token_ids: list[TokenId]
     sampling: SamplingParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillTarget:
+    """Router -> prefill: WRITE the dispatched request's state into these reserved decode slots."""
+
+    request_id: RequestId
     decode_worker_id: WorkerId
     decode_allocation: dict  # ReserveReply.allocation
     transfer_plan: dict  # PlanReply.plan

@@ -43,6 +43,14 @@ def prefill_dispatch(worker_id: str) -> str:
     return f"{INTERNAL}.prefill.{_checked(worker_id)}.dispatch"
 
 
+def prefill_target(worker_id: str) -> str:
+    return f"{INTERNAL}.prefill.{_checked(worker_id)}.target"
+
+
+def prefill_release(worker_id: str) -> str:
+    return f"{INTERNAL}.prefill.{_checked(worker_id)}.release"
+
+
 def _checked(worker_id: str) -> str:
     if not isinstance(worker_id, str) or not re.fullmatch(ID_PATTERN, worker_id):
         raise ValueError(f"worker id {worker_id!r} must match {ID_PATTERN}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -73,3 +74,12 @@ class ServiceMetrics:
 def log_request(service: str, request_id: str, **fields) -> None:
     """One structured line per request and service, keyed by the request id across services."""
     request_log.info(json.dumps({"service": service, "request_id": request_id, **fields}, default=str))
+
+
+class Stamps(dict):
+    """When one request passed each stage in a service, in ms of the system's monotonic clock.
+    CLOCK_MONOTONIC is shared by every process on a machine, so the stamps that router, prefill and
+    decode log for one request line up into a hop-by-hop timeline (bench/overhead.py)."""
+
+    def mark(self, stage: str) -> None:
+        self[stage] = round(time.monotonic() * 1000, 3)

@@ -53,8 +53,9 @@ EXAMPLES = [
     internal.TokenChunk(request_id="r-1", seq=0, token_ids=[412, 9]),
     internal.TokenChunk(request_id="r-1", seq=1, token_ids=[77], finished=True, finish_reason="length",
                         spec=SPEC, timing=TIMING),
-    internal.PrefillDispatch(request_id="r-1", token_ids=[5, 6, 7], sampling=SAMPLING, decode_worker_id="decode-0",
-                             decode_allocation={"pages": [1, 2], "slot": 3}, transfer_plan={"pairs": []}),
+    internal.PrefillDispatch(request_id="r-1", token_ids=[5, 6, 7], sampling=SAMPLING),
+    internal.PrefillTarget(request_id="r-1", decode_worker_id="decode-0",
+                           decode_allocation={"pages": [1, 2], "slot": 3}, transfer_plan={"pairs": []}),
     internal.PrefillDone(request_id="r-1", first_token_id=412, transfer_bytes=1 << 20, prefill_ms=8.0,
                          transfer_ms=0.4),
 ]

@@ -33,6 +33,7 @@ from baton.shared.kv.allocator import KVError, OutOfCapacity
 from baton.shared.kv.store import KVStore
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.model.model import BatonLM
+from baton.shared.metrics import Stamps
 
 from ..worker import EngineThread
 
@@ -104,6 +105,7 @@ class Job:
         self.outcome = Outcome()
         self.served_by = "aggregated"  # for the router's request log (Flow names its worker pair)
         self.prefill_done = None  # no separate prefill step to time
+        self.at = Stamps()  # the router adds "received"; the engine has no hops to stamp
         self.abort = ""  # set by cancel(); the loop reaps the job at the next turn
         self.done = False
         self._events: asyncio.Queue = asyncio.Queue()

@@ -25,14 +25,14 @@ from baton.shared.engine.runner import ModelRunner, SpecConfig
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
 from baton.shared.kv.allocator import KVError
-from baton.shared.kv.aux import unpack_aux
+from baton.shared.kv.aux import first_token_of, unpack_aux
 from baton.shared.kv.codec import to_plain
 from baton.shared.kv.store import KVStore
 from baton.shared.model.checkpoint import fingerprint, load_model
 from baton.shared.transfer.agent import TransferAgent
 from baton.shared.transfer.arrivals import EventKind
 
-from baton.shared.metrics import ServiceMetrics, log_request
+from baton.shared.metrics import ServiceMetrics, Stamps, log_request
 
 from baton.shared.transfer.notices import request_tag
 from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration,
@@ -52,6 +52,7 @@ class Request:
     abort: str = ""  # set by release: leave the batch at the next step boundary
     started: bool = False
     failed: bool = field(default=False)
+    at: Stamps = field(default_factory=Stamps)
 
 
 class DecodeWorker:
@@ -118,6 +119,8 @@ class DecodeWorker:
 
     # --- control --------------------------------------------------------------------------
     async def reserve(self, msg: ReserveRequest) -> ReserveReply:
+        at = Stamps()
+        at.mark("reserve")
         s = msg.sampling
         seed = None if s.seed is None else (s.seed ^ DECODE_SEED_SALT) % 2**64
         seq = Sequence(msg.request_id, list(msg.token_ids), msg.max_tokens,
@@ -133,7 +136,8 @@ class DecodeWorker:
             raise BatonError(ErrorCode.BUSY, f"decode {self.config.worker_id}: {exc}") from None
         self.requests_total += 1
         draft_state = self._draft_state(msg.draft_state)
-        self.requests[tag] = Request(seq, msg.stream_subject, draft_state, time.monotonic())
+        self.requests[tag] = Request(seq, msg.stream_subject, draft_state, time.monotonic(), at=at)
+        at.mark("reserved")
         self.agent.arrivals.expect(tag, msg.prefill_worker_id, [c for c in msg.components if c != "aux/AUX"],
                                    alloc.slot * self.store.aux_layout.item_bytes, self.config.transfer_deadline_s)
         return ReserveReply(request_id=msg.request_id, decode_worker_id=self.config.worker_id,
@@ -180,12 +184,18 @@ class DecodeWorker:
             if req is None:
                 continue
             if event.kind is EventKind.ARRIVED:
+                req.at.mark("arrived")
                 if req.abort:
                     await self._finish(event.tag, req, "abort")
                     continue
+                # The first token is streamed before the engine takes the request: the row is
+                # complete (every WRITE landed) and only this request's, so reading it here is safe.
+                req.first_token_at = time.monotonic()
+                await self._publish(req, [first_token_of(self.store.aux_row(req.seq.request_id))])
+                req.at.mark("first_chunk")
                 await self.engine.call(self._start, req)
-                req.started, req.first_token_at = True, time.monotonic()
-                await self._publish(req, req.seq.output[:])
+                req.started = True
+                req.at.mark("started")
                 self.wake.set()
             elif event.kind is EventKind.FAILED:
                 req.failed = True
@@ -238,7 +248,7 @@ class DecodeWorker:
         if stats.verify_steps:
             self.metrics.acceptance_length.observe(stats.acceptance_length())
         log_request("decode", req.seq.request_id, outcome=reason, completion_tokens=len(req.seq.output),
-                    draft_state=req.draft_state, **stats.as_dict())
+                    draft_state=req.draft_state, at=req.at, **stats.as_dict())
         await self.engine.call(self.store.free, req.seq.request_id)
         self.requests.pop(tag, None)
 

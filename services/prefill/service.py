@@ -1,22 +1,28 @@
 """prefill: run prompts through the target (and the MTP layer over the prompt's window when the
 draft state travels), WRITE the state into decode's reserved slots over NIXL, reply when done.
 
+The router dispatches a prompt and reserves decode slots at the same time; where the state goes
+(a PrefillTarget) arrives while the prompt computes, so the reservation costs no latency.
 Dispatches queue up; a batcher runs every queued prompt in one chunked, batched forward on the
-engine thread, then starts one WRITE per request. A request's own slots are freed only once its
-WRITE is finished or failed (nothing in flight).
+engine thread, stages each request whose target is known (aux row, descriptors), and starts one
+WRITE per request; a request whose target is still to come waits for it (or for its release, or
+the transfer deadline) holding its computed state. A request's own slots are freed only once its
+WRITE is finished or failed (nothing in flight), or it was released.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
+import msgpack
 import torch
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.internal import PrefillDispatch, PrefillDone, WorkerLoad
+from baton.proto.internal import Ack, PrefillDispatch, PrefillDone, PrefillTarget, ReleaseRequest, WorkerLoad
 from baton.shared.bus import Bus
 from baton.shared.engine.runner import ModelRunner, PrefillOutput, SpecConfig
 from baton.shared.engine.sampling import SamplingParams
@@ -34,19 +40,13 @@ from baton.shared.transfer.regions import Descriptor
 from baton.shared.metrics import ServiceMetrics, log_request
 
 from baton.shared.transfer.notices import request_tag
+from .jobs import Job, Jobs, Target
 from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration,
                       regions_of)
 
 log = logging.getLogger("baton.prefill")
-
-
-@dataclass
-class Job:
-    dispatch: PrefillDispatch
-    plan: TransferPlan
-    decode_alloc: Allocation
-    done: asyncio.Future
-    received: float
+PLAN_CACHE = 64  # decoded transfer plans kept (one per decode peer; decoding one costs ~0.4 ms)
+Staged = list[Descriptor] | None  # a computed request's WRITE list; None: its target is still to come
 
 
 class PrefillWorker:
@@ -64,12 +64,14 @@ class PrefillWorker:
         self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=peer_lookup(bus))
         self.engine = EngineThread()
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
+        self.jobs = Jobs()
         self.queued_tokens = 0
         self.active = 0
         self.requests_total = 0
         self.membership = Membership(bus, registration(config, self.manifest, self.agent.metadata(),
                                                        self.model.cfg.max_position_embeddings), self.load)
         self._tasks: set[asyncio.Task] = set()
+        self._plans: OrderedDict[bytes, TransferPlan] = OrderedDict()  # by the plan's packed plain form
         self.metrics = ServiceMetrics("prefill")
 
     def load(self) -> WorkerLoad:
@@ -84,6 +86,8 @@ class PrefillWorker:
         self.metrics.serve_from_env()
         async with self.agent:
             await self.bus.serve(subjects.prefill_dispatch(self.config.worker_id), PrefillDispatch, self.dispatch)
+            await self.bus.serve(subjects.prefill_target(self.config.worker_id), PrefillTarget, self.target)
+            await self.bus.serve(subjects.prefill_release(self.config.worker_id), ReleaseRequest, self.release)
             await on_worker_left(self.bus, self._peer_left)
             await self.membership.start()
             batcher = asyncio.create_task(self._batcher(), name="prefill-batcher")
@@ -100,12 +104,11 @@ class PrefillWorker:
         await self.agent.remove_peer(worker_id)  # our writes to it stop; their requests fail
 
     async def dispatch(self, req: PrefillDispatch) -> PrefillDone:
-        try:
-            plan = from_plain(TransferPlan, req.transfer_plan)
-            decode_alloc = from_plain(Allocation, req.decode_allocation)
-        except ValueError as exc:
-            raise BatonError(ErrorCode.BAD_REQUEST, f"prefill dispatch {req.request_id}: {exc}")
-        job = Job(req, plan, decode_alloc, asyncio.get_running_loop().create_future(), time.monotonic())
+        if req.request_id in self.jobs:
+            raise BatonError(ErrorCode.BAD_REQUEST, f"request {req.request_id} is already dispatched here")
+        job = Job(req, asyncio.get_running_loop().create_future())
+        job.at.mark("received")
+        self.jobs.add(job)
         self.queued_tokens += len(req.token_ids)
         self.active += 1
         self.requests_total += 1
@@ -114,6 +117,33 @@ class PrefillWorker:
             return await job.done
         finally:
             self.active -= 1
+            self.jobs.remove(job)
+
+    async def target(self, msg: PrefillTarget) -> Ack:
+        try:
+            target = Target(msg.decode_worker_id, self._plan(msg.transfer_plan),
+                            from_plain(Allocation, msg.decode_allocation))
+        except ValueError as exc:
+            raise BatonError(ErrorCode.BAD_REQUEST, f"prefill target of {msg.request_id}: {exc}")
+        self.jobs.settle(msg.request_id, target)
+        return Ack()
+
+    async def release(self, msg: ReleaseRequest) -> Ack:
+        self.jobs.settle(msg.request_id, BatonError(ErrorCode.UNAVAILABLE, f"request {msg.request_id} was "
+                                                    f"released before its state had a target: {msg.reason}"))
+        return Ack()
+
+    def _plan(self, plain: dict) -> TransferPlan:
+        """The router sends the same plan with every request to one decode peer: decode and check
+        it once (keyed by its exact content), then reuse it."""
+        key = msgpack.packb(plain, use_bin_type=True)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = from_plain(TransferPlan, plain)
+            if len(self._plans) > PLAN_CACHE:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(key)
+        return plan
 
     async def _batcher(self) -> None:
         while True:
@@ -122,6 +152,8 @@ class PrefillWorker:
                 jobs.append(self.queue.get_nowait())
             self.queued_tokens -= sum(len(j.dispatch.token_ids) for j in jobs)
             started = time.monotonic()
+            for job in jobs:
+                job.at.mark("batched")
             try:
                 outputs = await self.engine.call(self._compute, jobs)
             except Exception as exc:  # noqa: BLE001 - every job gets the error, the batcher goes on
@@ -132,18 +164,20 @@ class PrefillWorker:
                 continue
             prefill_ms = (time.monotonic() - started) * 1000
             self.metrics.prefill_seconds.observe(prefill_ms / 1000)
-            for job, (first, descriptors) in zip(jobs, outputs):
-                if descriptors is None:
-                    continue
-                task = asyncio.create_task(self._send(job, first, descriptors, prefill_ms))
+            for job, seq, out, staged in outputs:
+                task = asyncio.create_task(self._deliver(job, seq, out, staged, prefill_ms))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    def _compute(self, jobs: list[Job]) -> list[tuple[int, list[Descriptor] | None]]:
-        """Engine thread: allocate, prefill the batch, pack aux rows, list the bytes to send."""
-        seqs, results = [], []
+    def _compute(self, jobs: list[Job]) -> list[tuple[Job, Sequence, PrefillOutput, Staged]]:
+        """Engine thread: allocate, prefill the batch; stage the requests whose target is known."""
+        seqs = []
         for job in jobs:
+            job.at.mark("computing")
             d = job.dispatch
+            if isinstance(job.outcome, BatonError):  # released while queued
+                job.done.get_loop().call_soon_threadsafe(_fail, job, job.outcome)
+                continue
             try:
                 self.store.allocate(d.request_id, len(d.token_ids))
             except KVError as exc:
@@ -152,37 +186,57 @@ class PrefillWorker:
             params = SamplingParams(d.sampling.temperature, d.sampling.top_p, d.sampling.seed)
             seqs.append((job, Sequence(d.request_id, list(d.token_ids), 1, params)))
         outputs = self.runner.prefill([s for _, s in seqs]) if seqs else []
-        by_job = {id(job): (seq, out) for (job, seq), out in zip(seqs, outputs)}
-        for job in jobs:
-            if id(job) not in by_job:
-                results.append((0, None))
-                continue
-            seq, out = by_job[id(job)]
-            results.append((out.first_token, self._stage(job, seq, out)))
+        results = []
+        for (job, seq), out in zip(seqs, outputs):
+            target = job.target  # set on the loop thread; read once here
+            results.append((job, seq, out, self._stage(job, target, seq, out) if target else None))
+            job.at.mark("computed")
         return results
 
-    def _stage(self, job: Job, seq: Sequence, out: PrefillOutput) -> list[Descriptor]:
+    async def _deliver(self, job: Job, seq: Sequence, out: PrefillOutput, staged: Staged,
+                       prefill_ms: float) -> None:
+        """Send a computed request once its target is known; or drop it (released, deadline)."""
+        if staged is None:
+            try:
+                await asyncio.wait_for(job.settled.wait(), self.config.transfer_deadline_s)
+            except asyncio.TimeoutError:
+                self.jobs.settle(job.request_id, BatonError(ErrorCode.TIMEOUT, f"request {job.request_id}: "
+                                 f"no target within {self.config.transfer_deadline_s:g} s"))
+            if isinstance(job.outcome, BatonError):
+                await self.engine.call(self.store.free, job.request_id)
+                _fail(job, job.outcome)
+                return
+            started = time.monotonic()
+            staged = await self.engine.call(self._stage, job, job.target, seq, out)
+            prefill_ms += (time.monotonic() - started) * 1000
+        await self._send(job, job.target, out.first_token, staged, prefill_ms)
+
+    def _stage(self, job: Job, target: Target, seq: Sequence, out: PrefillOutput) -> list[Descriptor]:
+        """Engine thread: the draft window (if it travels), the aux row, the descriptors to WRITE."""
         L = len(seq.prompt)
-        if self.send_draft and job.plan.draft_state == "transfer":
+        if self.send_draft and target.plan.draft_state == "transfer":
             self.runner.fill_draft_window(seq, out.hidden)
-        rows = job.plan.aux_hidden_rows(L)
+        rows = target.plan.aux_hidden_rows(L)
         pack_aux(self.store.aux_row(seq.request_id), self.store.aux_layout, request_tag(seq.request_id),
                  out.first_token, out.hidden[L - rows:] if rows else torch.zeros(0, self.model.cfg.hidden_size))
         src = self.store.allocation(seq.request_id)
         return [Descriptor(d.component_key, d.layer_index, d.src_offset, d.dst_offset, d.nbytes)
-                for d in job.plan.descriptors(L, src, job.decode_alloc)]
+                for d in target.plan.descriptors(L, src, target.decode_alloc)]
 
-    async def _send(self, job: Job, first_token: int, descriptors: list[Descriptor], prefill_ms: float) -> None:
+    async def _send(self, job: Job, target: Target, first_token: int, descriptors: list[Descriptor],
+                    prefill_ms: float) -> None:
         rid = job.dispatch.request_id
+        job.at.mark("write")
         try:
-            result = await self.agent.write(job.dispatch.decode_worker_id, descriptors, request_tag(rid),
+            result = await self.agent.write(target.decode_worker_id, descriptors, request_tag(rid),
                                             self.config.transfer_deadline_s)
+            job.at.mark("written")
         finally:
             await self.engine.call(self.store.free, rid)  # nothing of ours is in flight any more
         self.metrics.requests.labels(result.status.value).inc()
         log_request("prefill", rid, outcome=result.status.value, prompt_tokens=len(job.dispatch.token_ids),
                     prefill_ms=round(prefill_ms, 2), transfer_ms=round(result.seconds * 1000, 2),
-                    transfer_bytes=result.nbytes, decode=job.dispatch.decode_worker_id, error=result.error or None)
+                    transfer_bytes=result.nbytes, decode=target.decode_worker_id, error=result.error or None, at=job.at)
         if result.ok:
             self.metrics.transfer_bytes.inc(result.nbytes)
             self.metrics.transfer_seconds.observe(result.seconds)

@@ -1,7 +1,8 @@
 """One request's path through the cluster, as the router drives it:
 
-    pick a decode and a prefill worker -> reserve decode slots (decode streams TokenChunks to our
-    inbox) -> dispatch prefill with the plan and the reservation -> relay tokens as they come.
+    pick a prefill and a decode worker -> dispatch the prompt to prefill and, meanwhile, reserve
+    decode slots (decode will stream TokenChunks to our token inbox) -> tell prefill the target
+    (the reservation and the plan) -> relay tokens as they come.
 
 Everything the flow waits for (tokens, the prefill reply, a cancel, the deadline) arrives on one
 queue, so whichever comes first decides, and every exit releases what was reserved.
@@ -16,11 +17,13 @@ from typing import AsyncIterator
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.internal import (Ack, PrefillDispatch, PrefillDone, ReleaseRequest, ReserveReply,
-                                  ReserveRequest, SamplingParams, TokenChunk)
+from baton.proto.internal import (Ack, PrefillDispatch, PrefillDone, PrefillTarget, ReleaseRequest,
+                                  ReserveReply, ReserveRequest, SamplingParams)
 from baton.shared.bus import Bus
+from baton.shared.metrics import Stamps
 
 from .directory import Directory
+from .tokens import TokenInbox
 
 log = logging.getLogger("baton.router.flow")
 
@@ -56,19 +59,22 @@ def plan_components(plan: dict) -> list[str]:
 
 
 class Flow:
-    def __init__(self, bus: Bus, directory: Directory, timeouts: RouterTimeouts, request_id: str,
-                 token_ids: list[int], max_tokens: int, sampling: SamplingParams) -> None:
-        self.bus, self.directory, self.timeouts = bus, directory, timeouts
+    def __init__(self, bus: Bus, directory: Directory, tokens: TokenInbox, timeouts: RouterTimeouts,
+                 request_id: str, token_ids: list[int], max_tokens: int, sampling: SamplingParams) -> None:
+        self.bus, self.directory, self.token_inbox, self.timeouts = bus, directory, tokens, timeouts
         self.request_id, self.token_ids, self.max_tokens, self.sampling = request_id, token_ids, max_tokens, sampling
         self.attempt_id = request_id  # the id decode and prefill see; a retry gets a fresh one
         self.served_by = ""  # "prefill->decode" of the last attempt, for the request log
         self.prefill_done: PrefillDone | None = None  # prefill's own timing, for the request log
+        self.at = Stamps()  # stage times of the last attempt, for the request log
         self.events: asyncio.Queue = asyncio.Queue()
+        self.stream_subject = ""  # where decode streams this attempt's TokenChunks
         self.decode_id: str | None = None
         self.prefill_id: str | None = None
         self.outcome = Outcome()
         self._tasks: list[asyncio.Task] = []
         self._released = False
+        self._targeted = False  # prefill was told where to write (else it must be released)
         self._prefilled = False
         self._avoid: set[str] = set()  # workers of a failed attempt, skipped by the retry when possible
         self._held: dict[str, int] = {}  # load this flow counts against workers in the directory
@@ -114,10 +120,11 @@ class Flow:
             self._unhold(worker_id)
         if self.outcome.finish_reason not in ("length", "stop"):
             await self._release(reason)
-        if getattr(self, "inbox", None) is not None:
-            await self.inbox.close()
+        if self.prefill_id is not None and not self._targeted:
+            await self._release_prefill(reason)
+        self.token_inbox.close(self.stream_subject)
         self.decode_id = self.prefill_id = None
-        self._released = self._prefilled = False
+        self._released = self._targeted = self._prefilled = False
         self.events = asyncio.Queue()
 
     def _hold(self, worker_id: str, amount: int) -> None:
@@ -129,13 +136,13 @@ class Flow:
 
     # --- admission ------------------------------------------------------------------------
     async def _admit(self) -> None:
-        self.inbox = await self.bus.inbox(TokenChunk, timeout_per_message=self.timeouts.request_s)
-        self._tasks.append(asyncio.create_task(self._read_chunks(), name=f"chunks {self.request_id}"))
-        prefill = self._pick_prefill()
-        self._hold(prefill, len(self.token_ids))  # counted now, so concurrent picks spread out
-        reservation, plan = await self._reserve(prefill)
-        self._tasks.append(asyncio.create_task(self._prefill(prefill, reservation, plan),
-                                               name=f"prefill {self.request_id}"))
+        self.at.mark("admit")
+        self.stream_subject = self.token_inbox.open(self.events)
+        self.prefill_id = self._pick_prefill()
+        self._hold(self.prefill_id, len(self.token_ids))  # counted now, so concurrent picks spread out
+        self._tasks.append(asyncio.create_task(self._prefill(self.prefill_id), name=f"prefill {self.request_id}"))
+        reservation, plan = await self._reserve(self.prefill_id)
+        await self._target(reservation, plan)
 
     def _prefer_others(self, workers: list) -> list:
         others = [w for w in workers if w.registration.worker_id not in self._avoid]
@@ -160,9 +167,10 @@ class Flow:
             self._hold(decode_id, 1)
             try:
                 plan = await self.directory.plan(prefill_id, decode_id)
+                self.at.mark("reserve")
                 reply = await self.bus.request(subjects.decode_reserve(decode_id), ReserveRequest(
                     request_id=self.attempt_id, token_ids=self.token_ids, max_tokens=self.max_tokens,
-                    sampling=self.sampling, stream_subject=self.inbox.subject, prefill_worker_id=prefill_id,
+                    sampling=self.sampling, stream_subject=self.stream_subject, prefill_worker_id=prefill_id,
                     components=plan_components(plan),
                     draft_state=plan["draft_state"]), ReserveReply, timeout=self.timeouts.control_s)
             except BatonError as exc:
@@ -171,18 +179,19 @@ class Flow:
                 if exc.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
                     continue
                 raise
-            self.decode_id, self.prefill_id = decode_id, prefill_id
+            self.at.mark("reserved")
+            self.decode_id = decode_id
             self.served_by = f"{prefill_id}->{decode_id}"
             return reply, plan
         raise last if last.code != ErrorCode.UNAVAILABLE else BatonError(ErrorCode.BUSY, f"no decode capacity: {last.message}")
 
-    async def _prefill(self, prefill_id: str, reservation: ReserveReply, plan: dict) -> None:
+    async def _prefill(self, prefill_id: str) -> None:
         try:
             done = await self.bus.request(subjects.prefill_dispatch(prefill_id), PrefillDispatch(
-                request_id=self.attempt_id, token_ids=self.token_ids, sampling=self.sampling,
-                decode_worker_id=reservation.decode_worker_id, decode_allocation=reservation.allocation,
-                transfer_plan=plan), PrefillDone, timeout=self.timeouts.first_token_s)
+                request_id=self.attempt_id, token_ids=self.token_ids, sampling=self.sampling), PrefillDone,
+                timeout=self.timeouts.first_token_s)
             self._prefilled = True
+            self.at.mark("prefill_reply")
             self.prefill_done = done
             self.events.put_nowait(("prefilled", done))
         except BatonError as exc:
@@ -190,12 +199,24 @@ class Flow:
         finally:
             self._unhold(prefill_id)
 
-    async def _read_chunks(self) -> None:
+    async def _target(self, reservation: ReserveReply, plan: dict) -> None:
+        """Tell prefill where to WRITE the state it is computing; a failure loses the attempt."""
         try:
-            async for chunk in self.inbox:
-                self.events.put_nowait(("chunk", chunk))
+            await self.bus.request(subjects.prefill_target(self.prefill_id), PrefillTarget(
+                request_id=self.attempt_id, decode_worker_id=reservation.decode_worker_id,
+                decode_allocation=reservation.allocation, transfer_plan=plan), Ack, timeout=self.timeouts.control_s)
         except BatonError as exc:
-            self.events.put_nowait(("error", exc))
+            raise AttemptLost(exc) from None
+        self._targeted = True
+        self.at.mark("targeted")
+
+    async def _release_prefill(self, reason: str) -> None:
+        try:
+            await self.bus.request(subjects.prefill_release(self.prefill_id),
+                                   ReleaseRequest(request_id=self.attempt_id, reason=reason), Ack,
+                                   timeout=self.timeouts.control_s)
+        except BatonError as exc:
+            log.warning("release of %s on %s failed: %s", self.request_id, self.prefill_id, exc)
 
     # --- relay ----------------------------------------------------------------------------
     async def _relay(self) -> AsyncIterator[list[int]]:
@@ -218,6 +239,8 @@ class Flow:
                     raise BatonError(ErrorCode.INTERNAL, f"request {self.request_id}: token chunk "
                                      f"{expected_seq} lost (got {value.seq})")
                 expected_seq += 1
+                if value.token_ids and not got_first:
+                    self.at.mark("first_chunk")
                 got_first = got_first or bool(value.token_ids)
                 if value.token_ids:
                     yield value.token_ids

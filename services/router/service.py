@@ -24,6 +24,7 @@ from baton.shared.metrics import ServiceMetrics, log_request
 
 from .directory import Directory
 from .flow import Flow, RouterTimeouts
+from .tokens import TokenInbox
 from .text import TextStream
 
 log = logging.getLogger("baton.router")
@@ -41,6 +42,7 @@ class Router:
         self.bus, self.model, self.tokenizer, self.config = bus, model, tokenizer, config
         self.directory = Directory(bus)
         self.directory.on_left = self._worker_left
+        self.tokens = TokenInbox(bus)
         self.flows: dict[str, Flow] = {}
         self._early_cancels: dict[str, float] = {}  # request id -> until when a cancel that beat its request counts
         self.metrics = ServiceMetrics("router")
@@ -49,6 +51,7 @@ class Router:
     async def start(self) -> None:
         self.metrics.serve_from_env()
         await self.directory.start()
+        await self.tokens.start()
         self._tasks.append(asyncio.create_task(self.directory.refresh_forever(), name="directory"))
         await self.bus.serve(subjects.GENERATE, GenerateRequest, self.generate, queue=subjects.ROUTER_QUEUE,
                              max_in_flight=self.config.max_in_flight)
@@ -122,17 +125,19 @@ class Router:
     async def _open_flow(self, request_id: str, ids: list[int], max_tokens: int, sampling: SamplingParams) -> Flow:
         """What drives one request: a Flow through the cluster (the aggregated baseline overrides
         this with an in-process job of the same surface: tokens(), outcome, cancel())."""
-        return Flow(self.bus, self.directory, self.config.timeouts, request_id, ids, max_tokens, sampling)
+        return Flow(self.bus, self.directory, self.tokens, self.config.timeouts, request_id, ids, max_tokens, sampling)
 
     async def _run(self, req: GenerateRequest, request_id: str, ids: list[int]) -> AsyncIterator[tuple]:
         """Yields (token_ids, text) deltas, then one final ("done", summary fields)."""
         started = time.monotonic()
+        received = round(started * 1000, 3)
         stop_ids = list(req.stop_token_ids)
         if self.tokenizer.eos_token_id is not None:
             stop_ids.append(self.tokenizer.eos_token_id)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                   stop_token_ids=stop_ids)
         flow = await self._open_flow(request_id, ids, req.max_tokens, sampling)
+        flow.at["received"] = received
         text, n_tokens, ttft = TextStream(self.tokenizer, req.stop), 0, None
         self.flows[request_id] = flow
         if self._early_cancels.pop(request_id, 0.0) > time.monotonic():
@@ -173,7 +178,7 @@ class Router:
         log_request("router", request_id, outcome=result, prompt_tokens=len(ids), completion_tokens=n_tokens,
                     ttft_ms=ttft, total_ms=round(total, 2), workers=flow.served_by, spec=outcome.spec,
                     prefill_ms=done.prefill_ms if done else None, transfer_ms=done.transfer_ms if done else None,
-                    transfer_bytes=done.transfer_bytes if done else None)
+                    transfer_bytes=done.transfer_bytes if done else None, at=flow.at)
         if outcome.error is not None:
             raise outcome.error
         yield [], text.finish()

@@ -4,10 +4,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from typing import Any, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.limits import DEFAULT_LIMITS, Limits
@@ -109,6 +111,13 @@ class Bus:
         await stream.start()
         await self._sync_with_server(stream.subject)  # the server knows the inbox before others use it
         return stream
+
+    async def subscribe(self, subject: str, callback: Callable[[Msg], Awaitable[None]]) -> Subscription:
+        """A raw subscription (`callback(msg)` per message, in order), known to the server on return."""
+        with nats_errors_mapped(subject):
+            sub = await self._nc.subscribe(subject, cb=callback)
+        await self._sync_with_server(subject)
+        return sub
 
     async def serve(self, subject: str, request_cls: type, handler: Handler, *,
                     queue: str | None = None, max_in_flight: int = 256) -> Endpoint:

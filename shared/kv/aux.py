@@ -62,6 +62,13 @@ def pack_aux(row: torch.Tensor, layout: AuxLayout, tag: int, first_token: int,
     body.view(n, layout.hidden_size).copy_(hidden.flip(0))  # [n, hidden] newest first
 
 
+def first_token_of(row: torch.Tensor) -> int:
+    """Just the first token of an aux row (cheap: decode streams it before taking the request)."""
+    import torch
+
+    return int(row[8:16].view(torch.int64).item())
+
+
 def unpack_aux(row: torch.Tensor, layout: AuxLayout, max_rows: int | None = None) -> AuxRecord:
     """Read one aux row; `max_rows` caps n at what a transfer actually carried."""
     import torch

@@ -1,0 +1,91 @@
+"""Prefill's requests in flight, and where each one's state goes.
+
+A dispatch arrives first and starts computing; its `Target` (decode's reserved slots and the
+plan) arrives while it computes, or a release says there will be none. The two come on separate
+subjects, so a target or release may overtake its dispatch: it is remembered for EARLY_KEEP_S
+and applied when the dispatch arrives.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from baton.proto.errors import BatonError
+from baton.proto.internal import PrefillDispatch
+from baton.shared.kv.components import Allocation
+from baton.shared.kv.plan import TransferPlan
+from baton.shared.metrics import Stamps
+
+log = logging.getLogger("baton.prefill.jobs")
+EARLY_KEEP_S = 30.0
+EARLY_MAX = 10_000
+
+
+@dataclass(frozen=True)
+class Target:
+    decode_worker_id: str
+    plan: TransferPlan
+    decode_alloc: Allocation
+
+
+Outcome = Target | BatonError  # where the state goes, or why it goes nowhere
+
+
+@dataclass(eq=False)
+class Job:
+    dispatch: PrefillDispatch
+    done: asyncio.Future  # PrefillDone, or the request's error
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: Outcome | None = None  # set once, on the event loop; the engine thread only reads it
+    at: Stamps = field(default_factory=Stamps)
+
+    @property
+    def request_id(self) -> str:
+        return self.dispatch.request_id
+
+    @property
+    def target(self) -> Target | None:
+        return self.outcome if isinstance(self.outcome, Target) else None
+
+
+class Jobs:
+    """Jobs by request id (event loop thread only)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, Job] = {}
+        self._early: dict[str, tuple[float, Outcome]] = {}  # request id -> (keep until, outcome)
+
+    def add(self, job: Job) -> None:
+        self._jobs[job.request_id] = job
+        until, early = self._early.pop(job.request_id, (0.0, None))
+        if early is not None and until > time.monotonic():
+            self._settle(job, early)
+
+    def remove(self, job: Job) -> None:
+        if self._jobs.get(job.request_id) is job:
+            del self._jobs[job.request_id]
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._jobs
+
+    def settle(self, request_id: str, outcome: Outcome) -> None:
+        """Apply a target or a release to the request's job, or keep it for a dispatch to come."""
+        job = self._jobs.get(request_id)
+        if job is not None:
+            self._settle(job, outcome)
+            return
+        now = time.monotonic()
+        if len(self._early) >= EARLY_MAX:
+            self._early = {r: e for r, e in self._early.items() if e[0] > now}
+        self._early[request_id] = (now + EARLY_KEEP_S, outcome)
+
+    @staticmethod
+    def _settle(job: Job, outcome: Outcome) -> None:
+        if job.outcome is not None:
+            log.info("request %s: ignored a second target/release (%s)", job.request_id,
+                     type(outcome).__name__)
+            return
+        job.outcome = outcome
+        job.settled.set()
