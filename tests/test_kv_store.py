@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from baton.shared.kv import (KVError, KVStore, OutOfCapacity, pack_aux, unpack_aux)
+from baton.shared.kv.aux import first_token_at
 from baton.shared.model.config import FULL as F, SLIDING as S, ModelConfig
 
 pytestmark = pytest.mark.unit
@@ -232,6 +233,7 @@ def test_aux_row_round_trip():
     pack_aux(store.aux_row("a"), store.aux_layout, tag, 42, hidden)
     rec = unpack_aux(store.aux_row("a"), store.aux_layout)
     assert (rec.tag, rec.first_token) == (tag, 42)
+    assert first_token_at(store.aux_row("a").data_ptr()) == 42  # what decode streams before unpacking
     assert torch.equal(rec.hidden, hidden)
     newest = unpack_aux(store.aux_row("a"), store.aux_layout, max_rows=2)
     assert torch.equal(newest.hidden, hidden[-2:])  # a prefix of the row holds the newest rows

@@ -25,7 +25,7 @@ from baton.shared.engine.runner import ModelRunner, SpecConfig
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
 from baton.shared.kv.allocator import KVError
-from baton.shared.kv.aux import first_token_of, unpack_aux
+from baton.shared.kv.aux import first_token_at, unpack_aux
 from baton.shared.kv.codec import to_plain
 from baton.shared.kv.store import KVStore
 from baton.shared.model.checkpoint import fingerprint, load_model
@@ -47,6 +47,7 @@ class Request:
     stream: str  # subject for TokenChunks
     draft_state: str  # how this request's draft window starts: transfer | rebuild | cold | none
     reserved_at: float
+    aux_address: int  # where prefill writes this request's aux row (our memory)
     chunks: int = 0
     first_token_at: float | None = None
     abort: str = ""  # set by release: leave the batch at the next step boundary
@@ -136,7 +137,8 @@ class DecodeWorker:
             raise BatonError(ErrorCode.BUSY, f"decode {self.config.worker_id}: {exc}") from None
         self.requests_total += 1
         draft_state = self._draft_state(msg.draft_state)
-        self.requests[tag] = Request(seq, msg.stream_subject, draft_state, time.monotonic(), at=at)
+        self.requests[tag] = Request(seq, msg.stream_subject, draft_state, time.monotonic(),
+                                     self.store.aux[0, alloc.slot].data_ptr(), at=at)
         at.mark("reserved")
         self.agent.arrivals.expect(tag, msg.prefill_worker_id, [c for c in msg.components if c != "aux/AUX"],
                                    alloc.slot * self.store.aux_layout.item_bytes, self.config.transfer_deadline_s)
@@ -191,8 +193,9 @@ class DecodeWorker:
                 # The first token is streamed before the engine takes the request: the row is
                 # complete (every WRITE landed) and only this request's, so reading it here is safe.
                 req.first_token_at = time.monotonic()
-                await self._publish(req, [first_token_of(self.store.aux_row(req.seq.request_id))])
+                await self._publish(req, [first_token_at(req.aux_address)])
                 req.at.mark("first_chunk")
+                await asyncio.sleep(0)  # nats-py writes it on the next turn: before the engine takes the GIL
                 await self.engine.call(self._start, req)
                 req.started = True
                 req.at.mark("started")

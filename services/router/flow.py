@@ -225,8 +225,9 @@ class Flow:
             limit = self.timeouts.idle_s if got_first else self.timeouts.first_token_s
             remaining = min(limit, self.timeouts.request_s - (time.monotonic() - started))
             try:
-                kind, value = await asyncio.wait_for(self.events.get(), max(remaining, 0.0))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(max(remaining, 0.0)):  # unlike wait_for, no task per event
+                    kind, value = await self.events.get()
+            except TimeoutError:
                 raise BatonError(ErrorCode.TIMEOUT, f"request {self.request_id}: no token within "
                                  f"{limit if remaining > 0 else self.timeouts.request_s:g} s") from None
             if kind == "cancel":

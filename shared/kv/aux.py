@@ -13,6 +13,8 @@ state travels, m = min(L, W) when decode rebuilds the draft window from target h
 """
 from __future__ import annotations
 
+import ctypes
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,11 +64,10 @@ def pack_aux(row: torch.Tensor, layout: AuxLayout, tag: int, first_token: int,
     body.view(n, layout.hidden_size).copy_(hidden.flip(0))  # [n, hidden] newest first
 
 
-def first_token_of(row: torch.Tensor) -> int:
-    """Just the first token of an aux row (cheap: decode streams it before taking the request)."""
-    import torch
-
-    return int(row[8:16].view(torch.int64).item())
+def first_token_at(row_address: int) -> int:
+    """The first token of the aux row at `row_address` (host memory), read without torch: decode
+    streams it the moment the row has landed."""
+    return int.from_bytes(ctypes.string_at(row_address + 8, 8), "little", signed=True)
 
 
 def unpack_aux(row: torch.Tensor, layout: AuxLayout, max_rows: int | None = None) -> AuxRecord:
