@@ -84,10 +84,12 @@ class Flow:
 
     def worker_left(self, worker_id: str, reason: str) -> None:
         """A worker this request depends on is gone: end the request (or retry it, if no token
-        was sent yet) now instead of at a timeout."""
-        if worker_id == self.decode_id or (worker_id == self.prefill_id and not self._prefilled):
-            self.events.put_nowait(("error", BatonError(
-                ErrorCode.UNAVAILABLE, f"request {self.request_id}: worker {worker_id} left ({reason})")))
+        was sent yet) now instead of at a timeout. Prefill matters only until decode streams."""
+        error = BatonError(ErrorCode.UNAVAILABLE, f"request {self.request_id}: worker {worker_id} left ({reason})")
+        if worker_id == self.decode_id:
+            self.events.put_nowait(("error", error))
+        elif worker_id == self.prefill_id and not self._prefilled:
+            self.events.put_nowait(("prefill_error", error))
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         """Yield token ids as decode produces them; `self.outcome` says how it ended. An attempt
@@ -195,7 +197,7 @@ class Flow:
             self.prefill_done = done
             self.events.put_nowait(("prefilled", done))
         except BatonError as exc:
-            self.events.put_nowait(("error", exc))
+            self.events.put_nowait(("prefill_error", exc))
         finally:
             self._unhold(prefill_id)
 
@@ -233,7 +235,14 @@ class Flow:
             if kind == "cancel":
                 self.outcome.finish_reason = "abort"
                 return
-            if kind == "error":
+            if kind == "prefill_error" and got_first:
+                # Decode streams only once every WRITE notified and the aux tag matched: it holds
+                # the whole state, so a late sender-side failure (e.g. a completion it never saw)
+                # does not concern this request.
+                log.warning("request %s: prefill reported %s after decode started; continuing",
+                            self.request_id, value.code.value)
+                continue
+            if kind in ("error", "prefill_error"):
                 raise value if got_first else AttemptLost(value)
             if kind == "chunk":
                 if value.seq != expected_seq:

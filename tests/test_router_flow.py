@@ -1,0 +1,59 @@
+"""The router's relay rules for one attempt (pure logic: events are fed by hand)."""
+import asyncio
+
+import pytest
+
+from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.internal import SamplingParams, TokenChunk
+from baton.proto.public import SpecStats, Timing
+from baton.services.router.flow import AttemptLost, Flow, RouterTimeouts
+
+pytestmark = pytest.mark.unit
+LATE = BatonError(ErrorCode.INTERNAL, "transfer of r: deadline passed")
+
+
+def flow() -> Flow:
+    return Flow(None, None, None, RouterTimeouts(first_token_s=2, idle_s=2), "r", [1, 2], 4, SamplingParams())
+
+
+def chunk(seq: int, ids: list[int], finished: bool = False) -> TokenChunk:
+    summary = dict(finish_reason="length", spec=SpecStats(verify_steps=1, drafted=3, accepted=2),
+                   timing=Timing(ttft_ms=1.0, total_ms=2.0)) if finished else {}
+    return TokenChunk(request_id="r", seq=seq, token_ids=ids, finished=finished, **summary)
+
+
+async def relay(f: Flow, *events) -> list[list[int]]:
+    for event in events:
+        f.events.put_nowait(event)
+    return [ids async for ids in f._relay()]
+
+
+def test_a_prefill_failure_after_decode_started_does_not_end_the_stream():
+    f = flow()
+    got = asyncio.run(relay(f, ("chunk", chunk(0, [5])), ("prefill_error", LATE), ("chunk", chunk(1, [6], True))))
+    assert got == [[5], [6]] and f.outcome.finish_reason == "length"
+
+
+def test_a_prefill_failure_before_the_first_token_loses_the_attempt():
+    with pytest.raises(AttemptLost):
+        asyncio.run(relay(flow(), ("prefill_error", LATE)))
+
+
+def test_a_decode_error_after_the_first_token_ends_the_request():
+    with pytest.raises(BatonError, match="decode gone"):
+        asyncio.run(relay(flow(), ("chunk", chunk(0, [5])),
+                          ("error", BatonError(ErrorCode.UNAVAILABLE, "decode gone"))))
+
+
+def test_prefill_leaving_matters_only_until_decode_streams():
+    f = flow()
+    f.prefill_id, f.decode_id = "p", "d"
+    f.worker_left("p", "lease expired")
+    assert f.events.get_nowait()[0] == "prefill_error"
+    f.worker_left("d", "lease expired")
+    assert f.events.get_nowait()[0] == "error"
+
+
+def test_a_lost_chunk_is_an_error():
+    with pytest.raises(BatonError, match="chunk 1 lost"):
+        asyncio.run(relay(flow(), ("chunk", chunk(0, [5])), ("chunk", chunk(2, [7]))))
