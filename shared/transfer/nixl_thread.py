@@ -1,20 +1,23 @@
-"""One NIXL agent, driven from one dedicated thread that also makes UCX progress.
+"""One NIXL agent, driven from one dedicated thread; UCX progress is NIXL's own, paced thread.
 
-Threading rule: NIXL is not thread safe (the agent runs with NIXL_THREAD_SYNC_NONE), and posting
+Threading rule: NIXL's API is not thread safe (the agent runs with NIXL_THREAD_SYNC_NONE), and posting
 a WRITE over UCX's `cma` transport copies the bytes inside the call (~25 ms for 256 MiB), which
 must not stall an event loop. So the `nixl_agent` lives inside this object and every call to it
 goes through `run` / `call` / `submit` as a function `fn(agent, *args)`, executed in FIFO order
 on the thread "nixl-<name>". Nothing else may touch the agent or its handles.
 
-Progress: NIXL's own progress thread busy-polls a whole core (the Python API fixes its delay at
-0), which on a 2-core machine halves transfer bandwidth, so it is disabled. Instead this thread,
-between calls, (1) calls `get_new_notifs` every PROGRESS_S, or every EXPECTING_PROGRESS_S while
-`expecting()` says a WRITE to us is due (a receiver waiting for a request's state): that
-progresses UCX (a WRITE to us completes on the sender only while we progress) and collects
-notifications, handed to the sink (`set_sink`), so how soon an arrival is seen is set by this
-interval; (2) checks the state of watched WRITEs (`watch`), from WATCH_FIRST_S backing off
-to WATCH_MAX_S; once none is in flight it releases their handles and calls their callback. Sink and callbacks run on this
-thread: they must be thread safe (e.g. `loop.call_soon_threadsafe`).
+Progress: NIXL's own progress thread makes UCX progress, paced (`_paced_config`): the Python API
+pins its delay to 0, a poll() loop that burns a whole core per agent (on 2 cores that halved
+transfer bandwidth); with PROGRESS_THREAD_DELAY_US it sleeps on the UCX workers' event fds and
+wakes when traffic arrives. (Driving progress from this thread instead, by calling
+`get_new_notifs` every 0.1 ms while a WRITE was due, left about one request in a thousand with
+WRITEs that never completed; paced, none in 6,000.) This thread, between calls, (1) collects
+notifications with `get_new_notifs` every PROGRESS_S, or every EXPECTING_PROGRESS_S while
+`expecting()` says a WRITE to us is due (a receiver waiting for a request's state), and hands them
+to the sink (`set_sink`); (2) checks the state of watched WRITEs (`watch`), from WATCH_FIRST_S
+backing off to WATCH_MAX_S; once none is in flight it releases their handles and calls their
+callback. Sink and callbacks run on this thread: they must be thread safe (e.g.
+`loop.call_soon_threadsafe`).
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ from .nixl_ops import refresh, release
 log = logging.getLogger(__name__)
 
 PROGRESS_S = 0.001
-EXPECTING_PROGRESS_S = 0.0001  # ~10 % of a core while a transfer to us is due, for a prompt arrival
+EXPECTING_PROGRESS_S = 0.0001  # collecting only (NIXL's thread makes UCX progress): ~1 us a call
+PROGRESS_THREAD_DELAY_US = 1000
 WATCH_FIRST_S = 0.00005  # a small WRITE with its notification takes ~0.2 ms on loopback
 WATCH_MAX_S = 0.0005
 _PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
@@ -42,9 +46,35 @@ Notifications = dict[str, list[bytes]]  # peer agent name -> messages, in arriva
 
 
 def _create(name: str) -> Any:
-    from nixl_cu12._api import nixl_agent, nixl_agent_config  # not the `nixl` shim: no CUDA torch
+    from nixl_cu12 import _api  # not the `nixl` shim: no CUDA torch
 
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    with _CREATE_LOCK:
+        bind = _api.nixlBind
+        plain = bind.nixlAgentConfig
+        bind.nixlAgentConfig = _paced_config(plain)
+        try:
+            return _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+        finally:
+            bind.nixlAgentConfig = plain
+
+
+_CREATE_LOCK = threading.Lock()
+
+
+def _paced_config(base: type) -> type:
+    """NIXL's agent config with the progress thread's delay pinned to PROGRESS_THREAD_DELAY_US:
+    the Python API sets it to 0, which makes the thread poll() with no timeout in a loop (a whole
+    core per agent); with a delay it sleeps in poll() on the UCX workers' event fds and wakes when
+    traffic arrives (or after the delay)."""
+    class PacedConfig(base):
+        @property
+        def pthrDelay(self) -> int:
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _requested: int) -> None:
+            base.pthrDelay.__set__(self, PROGRESS_THREAD_DELAY_US)
+    return PacedConfig
 
 
 class NixlThread:
