@@ -5,9 +5,13 @@
 One run starts a real cluster (nats-server, registry, router, 1 prefill, 1 decode; NIXL), then:
 1. sends short requests one at a time; for each, the router's request log gives TTFT (request
    received -> first token chunk) and prefill's own prefill compute and NIXL transfer times, so
-   control-plane overhead = TTFT - prefill compute - transfer (NATS hops, reservation, queueing,
-   the aux row read, the first chunk); next to it, a raw NATS request/reply round trip on the same
-   server, measured in the same run;
+   control-plane overhead = TTFT - prefill compute - transfer (NATS hops, queueing, thread
+   hand-offs, the aux row read, the first chunk); next to it, measured in the same run on the same
+   server: a raw NATS request/reply round trip (back to back, one process) and one idle NATS hop
+   between two processes (publish -> subscriber, the receiver asleep in between, as each hop of a
+   lone request is). Every
+   service's request log carries stage stamps (CLOCK_MONOTONIC, shared by the processes), so the
+   same requests are also shown hop by hop;
 2. sends one request per prompt length (W/2 .. 16W) and reads the bytes each transfer moved, with
    the per-component split from the transfer plan: sliding-window components stay flat past the
    window, full-attention ones grow linearly.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import statistics
 import sys
 import time
@@ -56,6 +61,50 @@ async def nats_rtt(url: str, n: int) -> list[float]:
         return out
     finally:
         await bus.close()
+
+
+def nats_one_way_idle(url: str, n: int, gap_s: float = 0.005) -> list[float]:
+    """One NATS hop between two processes with the receiver asleep in between (as each hop of a
+    lone request is): publish in this process -> subscriber callback in a child process, timed on
+    CLOCK_MONOTONIC, which the two processes share."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, results = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_one_way_receiver, args=(url, n, ready, results))
+    child.start()
+    try:
+        ready.get(timeout=30)
+        asyncio.run(_one_way_send(url, n, gap_s))
+        return results.get(timeout=30)
+    finally:
+        child.join(timeout=10)
+
+
+async def _one_way_send(url: str, n: int, gap_s: float) -> None:
+    bus = await Bus.connect(url, "one-way-send")
+    try:
+        for _ in range(n):
+            await asyncio.sleep(gap_s)
+            await bus.publish(f"bench.one_way.{time.monotonic_ns()}", Ack())
+    finally:
+        await bus.close()
+
+
+def _one_way_receiver(url: str, n: int, ready, results) -> None:
+    async def run() -> list[float]:
+        bus = await Bus.connect(url, "one-way-receive")
+        got: list[float] = []
+        done = asyncio.Event()
+
+        async def on_message(msg) -> None:
+            got.append((time.monotonic_ns() - int(msg.subject.rsplit(".", 1)[1])) / 1e6)
+            if len(got) == n:
+                done.set()
+        await bus.subscribe("bench.one_way.*", on_message)
+        ready.put(True)
+        await asyncio.wait_for(done.wait(), 60)
+        await bus.close()
+        return got
+    results.put(asyncio.run(run()))
 
 
 async def _echo() -> Ack:
@@ -152,6 +201,7 @@ def main() -> None:
     with running_cluster(worker_args=["--num-pages", "1024"]) as cluster:
         asyncio.run(send(cluster.nats_url, short[:3], 1))  # warm up
         rtt = asyncio.run(nats_rtt(cluster.nats_url, 200))
+        one_way = nats_one_way_idle(cluster.nats_url, 200)
         before = len(router_log(cluster.log_dir))
         asyncio.run(send(cluster.nats_url, short, 1))
         rows = router_log(cluster.log_dir)[before:]
@@ -165,11 +215,11 @@ def main() -> None:
     table = {name: {"p50": pct(v, 0.5), "p90": pct(v, 0.9), "mean": statistics.mean(v)} for name, v in (
         ("ttft_ms", [r["ttft_ms"] for r in rows]), ("prefill_ms", [r["prefill_ms"] for r in rows]),
         ("transfer_ms", [r["transfer_ms"] for r in rows]), ("control_plane_ms", overhead),
-        ("nats_rtt_ms", rtt))}
+        ("nats_rtt_ms", rtt), ("nats_one_way_idle_ms", one_way))}
     print(f"\n{args.requests} sequential requests, prompt {args.prompt_len} tokens, max_tokens 1")
-    print(f"{'':<18} {'p50':>8} {'p90':>8} {'mean':>8}")
+    print(f"{'':<20} {'p50':>8} {'p90':>8} {'mean':>8}")
     for name, v in table.items():
-        print(f"{name:<18} {v['p50']:>8.2f} {v['p90']:>8.2f} {v['mean']:>8.2f}")
+        print(f"{name:<20} {v['p50']:>8.2f} {v['p90']:>8.2f} {v['mean']:>8.2f}")
     hops = hop_table(log_dir, {r["request_id"] for r in rows})
     print(f"\nthe same requests hop by hop (ms; stamps from every service's request log)")
     print(f"{'':<36} {'p50':>8} {'p90':>8} {'mean':>8}")
@@ -178,7 +228,9 @@ def main() -> None:
     print(f"\ntransfer bytes per request (k=3, draft state travels):")
     print(f"{'prompt':>7} {'measured':>10} " + " ".join(f"{c:>16}" for c in plan_bytes(W)))
     growth = []
+    sent = {r["request_id"]: r["transfer_bytes"] for r in request_log(log_dir, "prefill")}
     for n, r in zip(lengths, grow_rows):
+        r["transfer_bytes"] = sent[r["request_id"]]  # prefill's own count (its reply may trail the stream)
         split = plan_bytes(n)
         growth.append({"prompt_tokens": n, "transfer_bytes": r["transfer_bytes"], "by_component": split})
         print(f"{n:>7} {r['transfer_bytes']:>10,} " + " ".join(f"{b:>16,}" for b in split.values()))
