@@ -6,7 +6,8 @@ One run starts a real cluster (nats-server, registry, router, 1 prefill, 1 decod
 1. sends short requests one at a time; for each, the router's request log gives TTFT (request
    received -> first token chunk) and prefill's own prefill compute and NIXL transfer times, so
    control-plane overhead = TTFT - prefill compute - transfer (NATS hops, queueing, thread
-   hand-offs, the aux row read, the first chunk); next to it, measured in the same run on the same
+   hand-offs, the aux row read, the first chunk); "strict" subtracts the model compute alone and
+   the transfer as the receiver sees it (WRITE start -> decode notified) instead; next to it, measured in the same run on the same
    server: a raw NATS request/reply round trip (back to back, one process) and one idle NATS hop
    between two processes (publish -> subscriber, the receiver asleep in between, as each hop of a
    lone request is). Every
@@ -156,21 +157,35 @@ HOPS = [
 ]
 
 
-def hop_table(log_dir: Path, request_ids: set[str]) -> dict[str, dict[str, float]]:
-    """p50/p90 of every hop in HOPS over the given requests (every service's stamps joined by
-    request id)."""
+def request_stamps(log_dir: Path, request_ids: set[str]) -> dict[str, dict[tuple[str, str], float]]:
+    """request id -> {(service, stage): ms}: every service's stamps joined by request id."""
     stamps: dict[str, dict[tuple[str, str], float]] = {}
     for service in ("router", "prefill", "decode"):
         for row in request_log(log_dir, service):
             if row["request_id"] in request_ids and row.get("at"):
                 at = stamps.setdefault(row["request_id"], {})
                 at.update({(service, stage): t for stage, t in row["at"].items()})
+    return stamps
+
+
+def hop_table(stamps: dict[str, dict[tuple[str, str], float]]) -> dict[str, dict[str, float]]:
+    """p50/p90/mean of every hop in HOPS."""
     table = {}
     for name, start, end in HOPS:
         values = [at[end] - at[start] for at in stamps.values() if start in at and end in at]
         if values:
             table[name] = {"p50": pct(values, 0.5), "p90": pct(values, 0.9), "mean": statistics.mean(values)}
     return table
+
+
+def strict_overhead(stamps: dict[str, dict[tuple[str, str], float]]) -> list[float]:
+    """TTFT minus the model compute minus the data movement as the receiver sees it (WRITE start
+    -> decode notified): everything else, engine hand-offs included, counts as control plane."""
+    def span(at, start, end):
+        return at[end] - at[start]
+    return [span(at, ("router", "received"), ("router", "first_chunk"))
+            - span(at, ("prefill", "computing"), ("prefill", "computed"))
+            - span(at, ("prefill", "write"), ("decode", "arrived")) for at in stamps.values()]
 
 
 def plan_bytes(length: int, k: int = 3) -> dict[str, int]:
@@ -212,15 +227,17 @@ def main() -> None:
     rows = [dict(r, prefill_ms=prefill[r["request_id"]]["prefill_ms"],  # router may finish before
                  transfer_ms=prefill[r["request_id"]]["transfer_ms"]) for r in rows]  # prefill's reply
     overhead = [r["ttft_ms"] - r["prefill_ms"] - r["transfer_ms"] for r in rows]
+    stamps = request_stamps(log_dir, {r["request_id"] for r in rows})
     table = {name: {"p50": pct(v, 0.5), "p90": pct(v, 0.9), "mean": statistics.mean(v)} for name, v in (
         ("ttft_ms", [r["ttft_ms"] for r in rows]), ("prefill_ms", [r["prefill_ms"] for r in rows]),
         ("transfer_ms", [r["transfer_ms"] for r in rows]), ("control_plane_ms", overhead),
+        ("control_plane_strict_ms", strict_overhead(stamps)),
         ("nats_rtt_ms", rtt), ("nats_one_way_idle_ms", one_way))}
     print(f"\n{args.requests} sequential requests, prompt {args.prompt_len} tokens, max_tokens 1")
-    print(f"{'':<20} {'p50':>8} {'p90':>8} {'mean':>8}")
+    print(f"{'':<24} {'p50':>8} {'p90':>8} {'mean':>8}")
     for name, v in table.items():
-        print(f"{name:<20} {v['p50']:>8.2f} {v['p90']:>8.2f} {v['mean']:>8.2f}")
-    hops = hop_table(log_dir, {r["request_id"] for r in rows})
+        print(f"{name:<24} {v['p50']:>8.2f} {v['p90']:>8.2f} {v['mean']:>8.2f}")
+    hops = hop_table(stamps)
     print(f"\nthe same requests hop by hop (ms; stamps from every service's request log)")
     print(f"{'':<36} {'p50':>8} {'p90':>8} {'mean':>8}")
     for name, v in hops.items():
