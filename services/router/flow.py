@@ -123,7 +123,7 @@ class Flow:
         if self.outcome.finish_reason not in ("length", "stop"):
             await self._release(reason)
         if self.prefill_id is not None and not self._targeted:
-            await self._release_prefill(reason)
+            await self._release_on(subjects.prefill_release(self.prefill_id), self.prefill_id, reason)
         self.token_inbox.close(self.stream_subject)
         self.decode_id = self.prefill_id = None
         self._released = self._targeted = self._prefilled = False
@@ -212,14 +212,6 @@ class Flow:
         self._targeted = True
         self.at.mark("targeted")
 
-    async def _release_prefill(self, reason: str) -> None:
-        try:
-            await self.bus.request(subjects.prefill_release(self.prefill_id),
-                                   ReleaseRequest(request_id=self.attempt_id, reason=reason), Ack,
-                                   timeout=self.timeouts.control_s)
-        except BatonError as exc:
-            log.warning("release of %s on %s failed: %s", self.request_id, self.prefill_id, exc)
-
     # --- relay ----------------------------------------------------------------------------
     async def _relay(self) -> AsyncIterator[list[int]]:
         started, got_first, expected_seq = time.monotonic(), False, 0
@@ -265,9 +257,11 @@ class Flow:
         if self._released or self.decode_id is None:
             return
         self._released = True
+        await self._release_on(subjects.decode_release(self.decode_id), self.decode_id, reason)
+
+    async def _release_on(self, subject: str, worker_id: str, reason: str) -> None:
         try:
-            await self.bus.request(subjects.decode_release(self.decode_id),
-                                   ReleaseRequest(request_id=self.attempt_id, reason=reason), Ack,
+            await self.bus.request(subject, ReleaseRequest(request_id=self.attempt_id, reason=reason), Ack,
                                    timeout=self.timeouts.control_s)
         except BatonError as exc:
-            log.warning("release of %s on %s failed: %s", self.request_id, self.decode_id, exc)
+            log.warning("release of %s on %s failed: %s", self.request_id, worker_id, exc)
