@@ -9,8 +9,8 @@ import pytest
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.internal import (Ack, LookupReply, LookupRequest, PrefillDispatch, PrefillDone, PrefillTarget,
-                                  ReleaseRequest, SamplingParams)
+from baton.proto.internal import (Ack, LookupReply, LookupRequest, PlanReply, PlanRequest, PrefillDispatch,
+                                  PrefillDone, PrefillTarget, ReleaseRequest, SamplingParams)
 from baton.proto.public import GenerateReply, GenerateRequest
 from baton.shared.bus import Bus
 from e2e_cluster import running_cluster, wait_all_free
@@ -27,9 +27,9 @@ def cluster():
             yield c
 
 
-async def prefill_id(bus: Bus) -> str:
+async def worker_id(bus: Bus, role: str = "prefill") -> str:
     reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
-    return next(w.registration.worker_id for w in reply.workers if w.registration.role == "prefill")
+    return next(w.registration.worker_id for w in reply.workers if w.registration.role == role)
 
 
 def dispatch(request_id: str) -> PrefillDispatch:
@@ -57,7 +57,7 @@ def test_failed_reservation_releases_prefill_at_once(cluster):
 def test_dispatch_without_target_times_out_and_frees(cluster):
     async def run():
         async with await Bus.connect(cluster.nats_url, "test") as bus:
-            worker = await prefill_id(bus)
+            worker = await worker_id(bus)
             started = time.monotonic()
             got = await outcome(bus.request(subjects.prefill_dispatch(worker), dispatch("no-target"), PrefillDone,
                                             timeout=DEADLINE_S + 20))
@@ -70,7 +70,7 @@ def test_dispatch_without_target_times_out_and_frees(cluster):
 def test_release_ends_a_dispatch_and_frees(cluster):
     async def run():
         async with await Bus.connect(cluster.nats_url, "test") as bus:
-            worker = await prefill_id(bus)
+            worker = await worker_id(bus)
             pending = asyncio.create_task(outcome(bus.request(subjects.prefill_dispatch(worker), dispatch("released"),
                                                               PrefillDone, timeout=DEADLINE_S + 20)))
             await asyncio.sleep(0.5)  # computed by now, waiting for its target
@@ -84,7 +84,7 @@ def test_release_ends_a_dispatch_and_frees(cluster):
 def test_bad_target_is_refused(cluster):
     async def run():
         async with await Bus.connect(cluster.nats_url, "test") as bus:
-            worker = await prefill_id(bus)
+            worker = await worker_id(bus)
             bad = PrefillTarget(request_id="bad", decode_worker_id="decode-x", decode_allocation={"pages": "no"},
                                 transfer_plan={"pairs": 3})
             got = await outcome(bus.request(subjects.prefill_target(worker), bad, Ack))
@@ -93,4 +93,46 @@ def test_bad_target_is_refused(cluster):
             reply = await bus.request(subjects.GENERATE, GenerateRequest(token_ids=[5, 6, 7], max_tokens=4),
                                       GenerateReply, timeout=30)
             assert len(reply.token_ids) == 4
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("target_first", [True, False], ids=["target-before-compute-ends", "target-after"])
+def test_target_that_does_not_fit_fails_only_its_request_and_frees(cluster, target_first):
+    from baton.shared.kv.codec import to_plain
+    from baton.shared.kv.components import Allocation
+
+    async def run():
+        async with await Bus.connect(cluster.nats_url, "test") as bus:
+            prefill, decode = await worker_id(bus), await worker_id(bus, "decode")
+            plan = (await bus.request(subjects.PLAN, PlanRequest(prefill_worker_id=prefill, decode_worker_id=decode),
+                                      PlanReply)).plan
+            empty = Allocation(request_id="misfit", num_tokens=0, length=0, floor=0, slot=0, page_ids=())
+            target = PrefillTarget(request_id="misfit", decode_worker_id=decode, decode_allocation=to_plain(empty),
+                                   transfer_plan=plan)  # holds none of the prompt's positions
+            if target_first:
+                await bus.request(subjects.prefill_target(prefill), target, Ack)
+            pending = asyncio.create_task(outcome(bus.request(subjects.prefill_dispatch(prefill), dispatch("misfit"),
+                                                              PrefillDone, timeout=DEADLINE_S + 20)))
+            if not target_first:
+                await asyncio.sleep(0.5)  # computed by now, waiting for its target
+                await bus.request(subjects.prefill_target(prefill), target, Ack)
+            got = await asyncio.wait_for(pending, DEADLINE_S / 2)
+            assert isinstance(got, BatonError) and got.code is ErrorCode.BAD_REQUEST, got
+            assert "does not fit" in got.message
+            reply = await bus.request(subjects.GENERATE, GenerateRequest(token_ids=[5, 6, 7], max_tokens=4),
+                                      GenerateReply, timeout=30)
+            assert len(reply.token_ids) == 4
+        await wait_all_free(cluster.nats_url, timeout_s=DEADLINE_S / 2)
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("token_ids", [[], [10**6]], ids=["empty", "outside-vocabulary"])
+def test_bad_prompt_is_refused_before_it_takes_slots(cluster, token_ids):
+    async def run():
+        async with await Bus.connect(cluster.nats_url, "test") as bus:
+            worker = await worker_id(bus)
+            bad = PrefillDispatch(request_id="bad-prompt", token_ids=token_ids, sampling=SamplingParams())
+            got = await outcome(bus.request(subjects.prefill_dispatch(worker), bad, PrefillDone, timeout=10))
+            assert isinstance(got, BatonError) and got.code is ErrorCode.BAD_REQUEST, got
+        await wait_all_free(cluster.nats_url, timeout_s=DEADLINE_S / 2)
     asyncio.run(run())

@@ -46,7 +46,8 @@ from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, pe
 
 log = logging.getLogger("baton.prefill")
 PLAN_CACHE = 64  # decoded transfer plans kept (one per decode peer; decoding one costs ~0.4 ms)
-Staged = list[Descriptor] | None  # a computed request's WRITE list; None: its target is still to come
+Staged = list[Descriptor] | BatonError | None  # a computed request's WRITE list, why it has none,
+# or None: its target is still to come
 
 
 class PrefillWorker:
@@ -106,6 +107,10 @@ class PrefillWorker:
     async def dispatch(self, req: PrefillDispatch) -> PrefillDone:
         if req.request_id in self.jobs:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {req.request_id} is already dispatched here")
+        vocab = self.model.cfg.vocab_size
+        if not req.token_ids or max(req.token_ids) >= vocab:
+            raise BatonError(ErrorCode.BAD_REQUEST, f"request {req.request_id}: a prompt needs 1+ token ids "
+                             f"in 0..{vocab - 1}")
         job = Job(req, asyncio.get_running_loop().create_future())
         job.at.mark("received")
         self.jobs.add(job)
@@ -158,9 +163,9 @@ class PrefillWorker:
                 outputs = await self.engine.call(self._compute, jobs)
             except Exception as exc:  # noqa: BLE001 - every job gets the error, the batcher goes on
                 log.exception("prefill batch failed")
+                await self.engine.call(self._free_batch, jobs)
                 for job in jobs:
-                    if not job.done.done():
-                        job.done.set_exception(BatonError(ErrorCode.INTERNAL, f"prefill failed: {exc}"))
+                    _fail(job, BatonError(ErrorCode.INTERNAL, f"prefill failed: {exc}"))
                 continue
             prefill_ms = (time.monotonic() - started) * 1000
             self.metrics.prefill_seconds.observe(prefill_ms / 1000)
@@ -189,27 +194,51 @@ class PrefillWorker:
         results = []
         for (job, seq), out in zip(seqs, outputs):
             target = job.target  # set on the loop thread; read once here
-            results.append((job, seq, out, self._stage(job, target, seq, out) if target else None))
+            results.append((job, seq, out, self._try_stage(job, target, seq, out) if target else None))
             job.at.mark("computed")
         return results
 
+    def _free_batch(self, jobs: list[Job]) -> None:
+        """Engine thread: free what a failed batch had allocated."""
+        for job in jobs:
+            try:
+                self.store.free(job.request_id)
+            except KVError:
+                pass  # its allocation had failed (busy), or it was never reached
+
     async def _deliver(self, job: Job, seq: Sequence, out: PrefillOutput, staged: Staged,
                        prefill_ms: float) -> None:
-        """Send a computed request once its target is known; or drop it (released, deadline)."""
+        """Send a computed request once its target is known; or drop it (released, deadline, a
+        target that does not fit), freeing its slots."""
         if staged is None:
-            try:
-                await asyncio.wait_for(job.settled.wait(), self.config.transfer_deadline_s)
-            except asyncio.TimeoutError:
-                self.jobs.settle(job.request_id, BatonError(ErrorCode.TIMEOUT, f"request {job.request_id}: "
-                                 f"no target within {self.config.transfer_deadline_s:g} s"))
-            if isinstance(job.outcome, BatonError):
-                await self.engine.call(self.store.free, job.request_id)
-                _fail(job, job.outcome)
-                return
-            started = time.monotonic()
-            staged = await self.engine.call(self._stage, job, job.target, seq, out)
-            prefill_ms += (time.monotonic() - started) * 1000
+            staged, prefill_ms = await self._stage_when_targeted(job, seq, out, prefill_ms)
+        if isinstance(staged, BatonError):
+            await self.engine.call(self.store.free, job.request_id)
+            _fail(job, staged)
+            return
         await self._send(job, job.target, out.first_token, staged, prefill_ms)
+
+    async def _stage_when_targeted(self, job: Job, seq: Sequence, out: PrefillOutput,
+                                   prefill_ms: float) -> tuple[list[Descriptor] | BatonError, float]:
+        try:
+            await asyncio.wait_for(job.settled.wait(), self.config.transfer_deadline_s)
+        except asyncio.TimeoutError:
+            self.jobs.settle(job.request_id, BatonError(ErrorCode.TIMEOUT, f"request {job.request_id}: "
+                             f"no target within {self.config.transfer_deadline_s:g} s"))
+        if isinstance(job.outcome, BatonError):
+            return job.outcome, prefill_ms
+        started = time.monotonic()
+        staged = await self.engine.call(self._try_stage, job, job.target, seq, out)
+        return staged, prefill_ms + (time.monotonic() - started) * 1000
+
+    def _try_stage(self, job: Job, target: Target, seq: Sequence,
+                   out: PrefillOutput) -> list[Descriptor] | BatonError:
+        """Engine thread: `_stage`; a target that does not fit this request (e.g. a decode
+        allocation that does not hold its positions) fails this request, not its batch."""
+        try:
+            return self._stage(job, target, seq, out)
+        except ValueError as exc:
+            return BatonError(ErrorCode.BAD_REQUEST, f"request {job.request_id}: its target does not fit: {exc}")
 
     def _stage(self, job: Job, target: Target, seq: Sequence, out: PrefillOutput) -> list[Descriptor]:
         """Engine thread: the draft window (if it travels), the aux row, the descriptors to WRITE."""
