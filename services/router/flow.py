@@ -143,6 +143,7 @@ class Flow:
         self.prefill_id = self._pick_prefill()
         self._hold(self.prefill_id, len(self.token_ids))  # counted now, so concurrent picks spread out
         self._tasks.append(asyncio.create_task(self._prefill(self.prefill_id), name=f"prefill {self.request_id}"))
+        await asyncio.sleep(0)  # the dispatch (the critical path) goes out before the reservation
         reservation, plan = await self._reserve(self.prefill_id)
         await self._target(reservation, plan)
 
