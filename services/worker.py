@@ -130,7 +130,7 @@ async def on_worker_left(bus: Bus, callback: Callable[[str], Any]) -> None:
             return
         if event.kind == "left":
             await callback(event.worker_id)
-    await bus.connection.subscribe(subjects.WORKER_EVENTS, cb=handle)
+    await bus.subscribe(subjects.WORKER_EVENTS, handle)
 
 
 def peer_lookup(bus: Bus) -> Callable[[str], Any]:

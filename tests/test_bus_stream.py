@@ -1,4 +1,4 @@
-"""Streaming replies and inboxes against a real nats-server, and shutdown with requests in flight."""
+"""Streaming replies and the router's token inbox against a real nats-server, and shutdown with requests in flight."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +8,7 @@ import pytest
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import Ack, ReleaseRequest, TokenChunk
 from baton.proto.public import CancelReply, CancelRequest, GenerateRequest, SpecStats, StreamChunk, Timing, Usage
+from baton.services.router.tokens import TokenInbox
 from baton.shared.bus import Bus
 
 pytestmark = pytest.mark.integration
@@ -89,17 +90,31 @@ def test_stream_errors_map_like_requests(nats_server):
     run(scenario, nats_server)
 
 
-def test_inbox_receives_chunks_published_by_another_service(nats_server):
+def test_router_token_inbox_routes_chunks_published_by_another_service(nats_server):
+    """One wildcard subscription per router; each open subject's chunks reach its own queue in
+    order, an error reply arrives as ("error", ...), and a closed subject's chunks are dropped."""
     async def scenario(url):
         async with await Bus.connect(url, "router") as router, await Bus.connect(url, "decode") as decode:
-            tokens = await router.inbox(TokenChunk, timeout_per_message=2)
+            inbox = TokenInbox(router)
+            await inbox.start()
+            first, second = asyncio.Queue(), asyncio.Queue()
+            a, b = inbox.open(first), inbox.open(second)
             for seq, ids in enumerate([[5, 6], [7]]):
-                await decode.publish(tokens.subject, TokenChunk(request_id="r1", seq=seq, token_ids=ids))
-            await decode.publish(tokens.subject, TokenChunk(
+                await decode.publish(a, TokenChunk(request_id="r1", seq=seq, token_ids=ids))
+            await decode.publish(b, BatonError(ErrorCode.INTERNAL, "transfer failed").to_reply())
+            await decode.publish(a, TokenChunk(
                 request_id="r1", seq=2, token_ids=[8], finished=True, finish_reason="stop",
                 spec=SpecStats(verify_steps=1, drafted=3, accepted=2), timing=Timing(ttft_ms=1, total_ms=3)))
-            received = [c async for c in tokens]
-            assert [c.seq for c in received] == [0, 1, 2] and received[-1].finished
+            received = [await asyncio.wait_for(first.get(), 2) for _ in range(3)]
+            assert [kind for kind, _ in received] == ["chunk"] * 3
+            assert [c.seq for _, c in received] == [0, 1, 2] and received[-1][1].finished
+            kind, error = await asyncio.wait_for(second.get(), 2)
+            assert kind == "error" and error.code is ErrorCode.INTERNAL
+            inbox.close(a)
+            await decode.publish(a, TokenChunk(request_id="r1", seq=3, token_ids=[9]))
+            await decode.publish(b, TokenChunk(request_id="r2", seq=0, token_ids=[1]))
+            assert (await asyncio.wait_for(second.get(), 2))[1].token_ids == [1]  # b still open, a not
+            assert first.empty()
     run(scenario, nats_server)
 
 

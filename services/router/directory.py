@@ -30,7 +30,7 @@ class Directory:
         self.on_left: Callable[[str, str], None] = lambda worker_id, reason: None  # set by the router
 
     async def start(self) -> None:
-        await self.bus.connection.subscribe(subjects.WORKER_EVENTS, cb=self._on_event)
+        await self.bus.subscribe(subjects.WORKER_EVENTS, self._on_event)
         await self.refresh()
 
     async def refresh(self) -> None:

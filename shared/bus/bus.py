@@ -103,15 +103,6 @@ class Bus:
         return self._track(ReplyStream(self._nc, chunk_cls, timeout_per_message, self.limits,
                                        (subject, data), self._streams.discard))
 
-    async def inbox(self, chunk_cls: type[M], timeout_per_message: float = 30.0) -> ReplyStream[M]:
-        """A subscribed inbox (`stream.subject`) to hand to another service that will publish
-        `chunk_cls` messages there, e.g. decode's TokenChunks."""
-        stream = self._track(ReplyStream(self._nc, chunk_cls, timeout_per_message, self.limits,
-                                         None, self._streams.discard))
-        await stream.start()
-        await self._sync_with_server(stream.subject)  # the server knows the inbox before others use it
-        return stream
-
     async def subscribe(self, subject: str, callback: Callable[[Msg], Awaitable[None]]) -> Subscription:
         """A raw subscription (`callback(msg)` per message, in order), known to the server on return."""
         with nats_errors_mapped(subject):

@@ -1,4 +1,5 @@
-"""ReplyStream: several messages on one inbox subject, ending at `finished=True` or an error."""
+"""ReplyStream: several replies to one request on an inbox subject, ending at `finished=True` or an
+error."""
 from __future__ import annotations
 
 import logging
@@ -26,27 +27,25 @@ class ReplyStream(Generic[M]):
     """
 
     def __init__(self, nc: Client, cls: type[M], timeout_per_message: float, limits: Limits,
-                 request: tuple[str, bytes] | None, on_close: Callable[["ReplyStream"], None]):
+                 request: tuple[str, bytes], on_close: Callable[["ReplyStream"], None]):
         if "finished" not in {f.name for f in fields(cls)}:
             raise TypeError(f"{cls.__name__} has no 'finished' field to end a stream")
         self.subject = nc.new_inbox()
         self._nc, self._cls, self._limits = nc, cls, limits
         self._timeout = timeout_per_message
-        self._request = request  # (subject, data) published with reply=self.subject once subscribed
+        self._request_subject, self._request_data = request  # published with reply=self.subject
         self._on_close = on_close
         self._sub: Subscription | None = None
         self._done = False
 
     async def start(self) -> None:
-        """Subscribe, then publish the request (if any); idempotent."""
+        """Subscribe, then publish the request; idempotent."""
         if self._sub is not None or self._done:
             return
-        where = self._request[0] if self._request else self.subject
         try:
-            with nats_errors_mapped(where):
+            with nats_errors_mapped(self._request_subject):
                 self._sub = await self._nc.subscribe(self.subject)
-                if self._request:
-                    await self._nc.publish(self._request[0], self._request[1], reply=self.subject)
+                await self._nc.publish(self._request_subject, self._request_data, reply=self.subject)
         except BaseException:
             await self.close()
             raise
@@ -65,12 +64,11 @@ class ReplyStream(Generic[M]):
         return item
 
     async def _next(self) -> M:
-        where = self._request[0] if self._request else self.subject
-        with nats_errors_mapped(where, self._timeout):
+        with nats_errors_mapped(self._request_subject, self._timeout):
             msg = await self._sub.next_msg(timeout=self._timeout)
         if msg.headers and msg.headers.get("Status") == "503":
-            raise BatonError(ErrorCode.UNAVAILABLE, f"no service is listening on {where}")
-        return decode_reply_from(where, msg.data, self._cls, self._limits)
+            raise BatonError(ErrorCode.UNAVAILABLE, f"no service is listening on {self._request_subject}")
+        return decode_reply_from(self._request_subject, msg.data, self._cls, self._limits)
 
     async def close(self) -> None:
         if self._done:
