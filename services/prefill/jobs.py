@@ -70,6 +70,9 @@ class Jobs:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._jobs
 
+    def __len__(self) -> int:
+        return len(self._jobs)
+
     def settle(self, request_id: str, outcome: Outcome) -> None:
         """Apply a target or a release to the request's job, or keep it for a dispatch to come."""
         job = self._jobs.get(request_id)

@@ -67,7 +67,6 @@ class PrefillWorker:
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.jobs = Jobs()
         self.queued_tokens = 0
-        self.active = 0
         self.requests_total = 0
         self.membership = Membership(bus, registration(config, self.manifest, self.agent.metadata(),
                                                        self.model.cfg.max_position_embeddings), self.load)
@@ -80,7 +79,7 @@ class PrefillWorker:
         self.metrics.free_pages.set(free.pages)
         self.metrics.free_slots.set(free.slots)
         self.metrics.queue.set(self.queue.qsize())
-        return WorkerLoad(free_pages=free.pages, free_slots=free.slots, active_requests=self.active,
+        return WorkerLoad(free_pages=free.pages, free_slots=free.slots, active_requests=len(self.jobs),
                           queued_prompt_tokens=self.queued_tokens, requests_total=self.requests_total)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -93,7 +92,7 @@ class PrefillWorker:
             await self.membership.start()
             batcher = asyncio.create_task(self._batcher(), name="prefill-batcher")
             await stop.wait()
-            log.info("stopping: no new prompts; finishing %d in flight", self.active)
+            log.info("stopping: no new prompts; finishing %d in flight", len(self.jobs))
             await self.membership.stop()
             await self.bus.close(grace_s=self.config.transfer_deadline_s)
             batcher.cancel()
@@ -115,13 +114,11 @@ class PrefillWorker:
         job.at.mark("received")
         self.jobs.add(job)
         self.queued_tokens += len(req.token_ids)
-        self.active += 1
         self.requests_total += 1
         self.queue.put_nowait(job)
         try:
             return await job.done
         finally:
-            self.active -= 1
             self.jobs.remove(job)
 
     async def target(self, msg: PrefillTarget) -> Ack:
