@@ -600,24 +600,21 @@ def _metric_values(records: list[dict], metric: str) -> list[float]:
 
 # --- command line ----------------------------------------------------------------------------
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4, got {text!r}")
-    return values
+def _positive_list(cast: type, noun: str, example: str):
+    """An argparse type: a comma list of positive `cast` values ("1,2,4")."""
+    def parse(text: str) -> list:
+        try:
+            values = [cast(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun} like {example}, got {text!r}") from None
+        if not values or min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"expected positive {noun} like {example}, got {text!r}")
+        return values
+    return parse
 
 
-def _float_list(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 0.5,1,2, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive numbers like 0.5,1,2, got {text!r}")
-    return values
+_int_list = _positive_list(int, "integers", "1,2,4")
+_float_list = _positive_list(float, "numbers", "0.5,1,2")
 
 
 def _length(text: str) -> str:
