@@ -51,8 +51,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def nats_rtt(url: str, n: int) -> list[float]:
-    bus = await Bus.connect(url, "rtt")
-    try:
+    async with await Bus.connect(url, "rtt") as bus:
         await bus.serve("bench.echo", Ack, lambda msg: _echo())
         out = []
         for _ in range(n):
@@ -60,8 +59,6 @@ async def nats_rtt(url: str, n: int) -> list[float]:
             await bus.request("bench.echo", Ack(), Ack, timeout=5)
             out.append((time.perf_counter() - t0) * 1000)
         return out
-    finally:
-        await bus.close()
 
 
 def nats_one_way_idle(url: str, n: int, gap_s: float = 0.005) -> list[float]:
@@ -81,18 +78,14 @@ def nats_one_way_idle(url: str, n: int, gap_s: float = 0.005) -> list[float]:
 
 
 async def _one_way_send(url: str, n: int, gap_s: float) -> None:
-    bus = await Bus.connect(url, "one-way-send")
-    try:
+    async with await Bus.connect(url, "one-way-send") as bus:
         for _ in range(n):
             await asyncio.sleep(gap_s)
             await bus.publish(f"bench.one_way.{time.monotonic_ns()}", Ack())
-    finally:
-        await bus.close()
 
 
 def _one_way_receiver(url: str, n: int, ready, results) -> None:
     async def run() -> list[float]:
-        bus = await Bus.connect(url, "one-way-receive")
         got: list[float] = []
         done = asyncio.Event()
 
@@ -100,10 +93,10 @@ def _one_way_receiver(url: str, n: int, ready, results) -> None:
             got.append((time.monotonic_ns() - int(msg.subject.rsplit(".", 1)[1])) / 1e6)
             if len(got) == n:
                 done.set()
-        await bus.subscribe("bench.one_way.*", on_message)
-        ready.put(True)
-        await asyncio.wait_for(done.wait(), 60)
-        await bus.close()
+        async with await Bus.connect(url, "one-way-receive") as bus:
+            await bus.subscribe("bench.one_way.*", on_message)
+            ready.put(True)
+            await asyncio.wait_for(done.wait(), 60)
         return got
     results.put(asyncio.run(run()))
 
@@ -113,13 +106,10 @@ async def _echo() -> Ack:
 
 
 async def send(url: str, prompts: list[list[int]], max_tokens: int) -> None:
-    bus = await Bus.connect(url, "overhead")
-    try:
+    async with await Bus.connect(url, "overhead") as bus:
         for p in prompts:
             await bus.request(subjects.GENERATE, GenerateRequest(token_ids=p, max_tokens=max_tokens), GenerateReply,
                               timeout=120)
-    finally:
-        await bus.close()
 
 
 def request_log(log_dir: Path, service: str) -> list[dict]:

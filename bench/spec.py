@@ -122,13 +122,10 @@ def system_stream(prompt, max_tokens: int, k: int) -> dict:
     from baton.shared.bus import Bus
 
     async def one(url):
-        bus = await Bus.connect(url, "bench")
-        try:
+        async with await Bus.connect(url, "bench") as bus:
             await bus.request(subjects.GENERATE, GenerateRequest(token_ids=prompt, max_tokens=8), GenerateReply, timeout=120)
             return await bus.request(subjects.GENERATE, GenerateRequest(token_ids=prompt, max_tokens=max_tokens),
                                      GenerateReply, timeout=300)
-        finally:
-            await bus.close()
     out = {}
     for spec in ("mtp", "off"):
         with running_cluster(worker_args=["--spec", spec, "--draft-tokens", str(k), "--threads", "2"]) as cluster:

@@ -42,11 +42,8 @@ def print_logs(log_dir: str) -> None:
 
 async def worker_loads(url: str) -> dict[str, tuple]:
     """worker id -> (role, free pages, total pages, free slots, total slots, active, requests taken)."""
-    bus = await Bus.connect(url, "test-lookup")
-    try:
+    async with await Bus.connect(url, "test-lookup") as bus:
         reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
-    finally:
-        await bus.close()
     return {w.registration.worker_id: (w.registration.role, w.load.free_pages, w.registration.capacity.total_pages,
                                        w.load.free_slots, w.registration.capacity.total_slots, w.load.active_requests,
                                        w.load.requests_total)

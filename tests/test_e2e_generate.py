@@ -27,11 +27,8 @@ def reference():
 
 
 async def generate(url: str, **fields) -> GenerateReply:
-    bus = await Bus.connect(url, "test")
-    try:
+    async with await Bus.connect(url, "test") as bus:
         return await bus.request(subjects.GENERATE, GenerateRequest(**fields), GenerateReply, timeout=300)
-    finally:
-        await bus.close()
 
 
 def test_greedy_equals_transformers_concurrently(cluster, reference):
@@ -68,8 +65,7 @@ def test_stream_equals_unary_and_text_prompts_work(cluster):
 
 def test_cancel_mid_stream_frees_everything(cluster):
     async def run():
-        bus = await Bus.connect(cluster.nats_url, "test")
-        try:
+        async with await Bus.connect(cluster.nats_url, "test") as bus:
             request = GenerateRequest(token_ids=window_prompts()[2], max_tokens=400, stream=True, request_id="cancel-me-1")
             got = []
             async with bus.stream_request(subjects.GENERATE, request, StreamChunk, timeout_per_message=120) as chunks:
@@ -80,8 +76,6 @@ def test_cancel_mid_stream_frees_everything(cluster):
                         assert reply.cancelled
             assert got[-1].finished and got[-1].finish_reason == "abort"
             assert got[-1].usage.completion_tokens < 400
-        finally:
-            await bus.close()
         await wait_all_free(cluster.nats_url)
     asyncio.run(run())
 
@@ -97,12 +91,9 @@ def test_cancel_mid_stream_frees_everything(cluster):
 ])
 def test_bad_input_gets_error_code(cluster, payload, code):
     async def run():
-        bus = await Bus.connect(cluster.nats_url, "test")
-        try:
+        async with await Bus.connect(cluster.nats_url, "test") as bus:
             msg = await bus.connection.request(subjects.GENERATE, payload, timeout=30)
             return msgpack.unpackb(msg.data)
-        finally:
-            await bus.close()
     reply = asyncio.run(run())
     assert reply["error"]["code"] == code, reply
 
@@ -147,16 +138,13 @@ def test_client_that_stops_listening_is_cancelled(cluster):
     before = scrape(router).get("baton_requests_total[('outcome', 'disconnected')]", 0)
 
     async def run():
-        bus = await Bus.connect(cluster.nats_url, "test")
-        try:
+        async with await Bus.connect(cluster.nats_url, "test") as bus:
             stream = bus.stream_request(subjects.GENERATE, GenerateRequest(token_ids=window_prompts()[0], max_tokens=4000,
                                                                            stream=True), StreamChunk, 60)
             async for _ in stream:
                 break  # one chunk, then stop listening
             await stream.close()
             await asyncio.sleep(3.0)
-        finally:
-            await bus.close()
         await wait_all_free(cluster.nats_url, timeout_s=10)
     asyncio.run(run())
     assert scrape(router).get("baton_requests_total[('outcome', 'disconnected')]", 0) == before + 1

@@ -37,12 +37,9 @@ def prompts(n: int = 6) -> list[list[int]]:
 
 
 async def generate_all(url: str, batch: list[list[int]]) -> list[GenerateReply]:
-    bus = await Bus.connect(url, "test")
-    try:
+    async with await Bus.connect(url, "test") as bus:
         return await asyncio.gather(*(bus.request(subjects.GENERATE, GenerateRequest(token_ids=p, max_tokens=MAX_TOKENS),
                                                   GenerateReply, timeout=300) for p in batch))
-    finally:
-        await bus.close()
 
 
 def check_exact(batch, replies, k: int | None) -> None:

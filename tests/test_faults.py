@@ -53,8 +53,7 @@ def assert_exact(reference, p, reply, n) -> None:
 def test_decode_killed_mid_request(reference):
     with running_cluster(prefill=1, decode=2) as cluster:
         async def run():
-            bus = await Bus.connect(cluster.nats_url, "test")
-            try:
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
                 prompts = [prompt(40, s) for s in range(4)]
                 tasks = [asyncio.create_task(outcome(bus, p, 400)) for p in prompts]
                 await asyncio.sleep(2.0)  # all four are decoding, spread over both decode workers
@@ -81,8 +80,6 @@ def test_decode_killed_mid_request(reference):
                 await asyncio.sleep(1.0)  # the router's view refreshes every 0.5 s
                 replies = await asyncio.gather(*(outcome(bus, later, 8) for _ in range(6)))
                 assert all(isinstance(r, GenerateReply) for r in replies), replies
-            finally:
-                await bus.close()
             loads = await wait_all_free(cluster.nats_url, min_requests=1)
             decodes = [v for v in loads.values() if v[0] == "decode"]
             assert len(decodes) == 2 and all(v[6] > 0 for v in decodes), loads  # both serve
@@ -93,8 +90,7 @@ def test_prefill_killed_before_its_transfer_is_retried(reference, monkeypatch):
     monkeypatch.setenv("BATON_TRANSFER_FAULTS", "delay=3")  # every WRITE waits 3 s: a window to kill in
     with running_cluster(prefill=2, decode=1) as cluster:
         async def run():
-            bus = await Bus.connect(cluster.nats_url, "test")
-            try:
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
                 prompts = [prompt(30, 20 + s) for s in range(4)]
                 tasks = [asyncio.create_task(outcome(bus, p, 8)) for p in prompts]
                 await asyncio.sleep(1.0)
@@ -102,8 +98,6 @@ def test_prefill_killed_before_its_transfer_is_retried(reference, monkeypatch):
                 results = await asyncio.gather(*tasks)
                 for p, r in zip(prompts, results):  # those on the killed prefill were retried on the other
                     assert_exact(reference, p, r, 8)
-            finally:
-                await bus.close()
             await wait_all_free(cluster.nats_url, timeout_s=LEASE_S + 15)  # decode held the slots until then
         asyncio.run(run())
 
@@ -111,8 +105,7 @@ def test_prefill_killed_before_its_transfer_is_retried(reference, monkeypatch):
 def test_registry_restart_keeps_requests_flowing(reference):
     with running_cluster(prefill=1, decode=1) as cluster:
         async def run():
-            bus = await Bus.connect(cluster.nats_url, "test")
-            try:
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
                 p = prompt(70, 30)
                 inflight = asyncio.create_task(outcome(bus, p, 200))
                 await asyncio.sleep(0.5)
@@ -122,8 +115,6 @@ def test_registry_restart_keeps_requests_flowing(reference):
                 cluster.spawn("registry", ["--model", str(DEFAULT_MODEL_DIR)], cluster.log_dir)
                 await asyncio.sleep(LEASE_S)  # workers heartbeat into the restarted registry
                 assert_exact(reference, p, await outcome(bus, p, 10), 10)
-            finally:
-                await bus.close()
             loads = await wait_all_free(cluster.nats_url)
             assert sorted(v[0] for v in loads.values()) == ["decode", "prefill"]
         asyncio.run(run())
@@ -133,8 +124,7 @@ def test_cancel_at_every_stage_frees_everything(reference, monkeypatch):
     monkeypatch.setenv("BATON_TRANSFER_FAULTS", "delay=1.5")  # a transfer stage long enough to cancel in
     with running_cluster(prefill=1, decode=1) as cluster:
         async def run():
-            bus = await Bus.connect(cluster.nats_url, "test")
-            try:
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
                 for i, wait_s in enumerate([0.0, 0.3, 1.0, 2.5]):  # queued/prefilling, transferring, decoding
                     rid = f"cancel-stage-{i}"
                     task = asyncio.create_task(outcome(bus, prompt(60, 40 + i), 300, request_id=rid))
@@ -144,8 +134,6 @@ def test_cancel_at_every_stage_frees_everything(reference, monkeypatch):
                     assert isinstance(result, BatonError) or result.finish_reason == "abort", result
                 p = prompt(33, 50)
                 assert_exact(reference, p, await outcome(bus, p, 12), 12)
-            finally:
-                await bus.close()
             await wait_all_free(cluster.nats_url)
         asyncio.run(run())
 
@@ -154,8 +142,7 @@ def test_sigterm_stops_every_service_cleanly(reference):
     """SIGTERM: stop intake, finish in-flight work, deregister, exit 0 — for every service."""
     with running_cluster(prefill=1, decode=1) as cluster:
         async def run():
-            bus = await Bus.connect(cluster.nats_url, "test")
-            try:
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
                 p = prompt(50, 60)
                 inflight = asyncio.create_task(outcome(bus, p, 60))
                 await asyncio.sleep(0.3)
@@ -163,8 +150,6 @@ def test_sigterm_stops_every_service_cleanly(reference):
                 reply = await inflight
                 await stopper
                 return p, reply
-            finally:
-                await bus.close()
         p, reply = asyncio.run(run())
         codes = {role: proc.returncode for role, proc in cluster.children}
     assert codes == {"registry": 0, "router": 0, "prefill": 0, "decode": 0}, codes
@@ -179,13 +164,10 @@ def test_failed_or_unnotified_transfer_ends_with_an_error_and_frees_slots(monkey
     monkeypatch.setenv("BATON_WORKER_TRANSFER_DEADLINE_S", "3")
     with running_cluster(prefill=1, decode=1, warm_up=False) as cluster:  # every transfer fails
         async def run():
-            bus = await Bus.connect(cluster.nats_url, "test")
-            try:
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
                 started = time.monotonic()
                 result = await outcome(bus, prompt(40, 70), 8)
                 return result, time.monotonic() - started
-            finally:
-                await bus.close()
         result, elapsed = asyncio.run(run())
         assert isinstance(result, BatonError) and result.code.value in ("internal", "unavailable", "timeout"), result
         assert elapsed < 20, elapsed
@@ -198,8 +180,7 @@ def test_failed_or_unnotified_transfer_ends_with_an_error_and_frees_slots(monkey
         faulty.wait(30)
 
         async def later():
-            bus = await Bus.connect(cluster.nats_url, "test")
-            try:
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
                 for _ in range(60):
                     loads = await worker_loads(cluster.nats_url)
                     if sum(v[0] == "prefill" for v in loads.values()) == 1 and faulty.returncode is not None:
@@ -207,7 +188,5 @@ def test_failed_or_unnotified_transfer_ends_with_an_error_and_frees_slots(monkey
                     await asyncio.sleep(0.5)
                 p = prompt(30, 71)
                 return p, await outcome(bus, p, 10)
-            finally:
-                await bus.close()
         p, reply = asyncio.run(later())
         assert_exact(Reference(), p, reply, 10)

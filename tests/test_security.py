@@ -30,12 +30,9 @@ def test_unauthenticated_client_is_refused(cluster):
 
 def test_client_credentials_serve_the_public_api(cluster):
     async def run():
-        bus = await Bus.connect(cluster.nats_url, "client", **cluster.client.connect_options())
-        try:
+        async with await Bus.connect(cluster.nats_url, "client", **cluster.client.connect_options()) as bus:
             return await bus.request(subjects.GENERATE, GenerateRequest(token_ids=[5, 9, 300], max_tokens=6),
                                      GenerateReply, timeout=60)
-        finally:
-            await bus.close()
     reply = asyncio.run(run())
     assert reply.token_ids == Reference().greedy([5, 9, 300], 6)[:len(reply.token_ids)]
 
