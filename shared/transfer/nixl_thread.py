@@ -11,8 +11,8 @@ pins its delay to 0, a poll() loop that burns a whole core per agent (on 2 cores
 transfer bandwidth); with PROGRESS_THREAD_DELAY_US it sleeps on the UCX workers' event fds and
 wakes when traffic arrives. (Driving progress from this thread instead, by calling
 `get_new_notifs` every 0.1 ms while a WRITE was due, left about one request in a thousand with
-WRITEs that never completed; paced, none in 6,000.) This thread, between calls, (1) collects
-notifications with `get_new_notifs` every PROGRESS_S, or every EXPECTING_PROGRESS_S while
+WRITEs that never completed; paced, none in 9,000: bench/soak.py.) This thread, between calls,
+(1) collects notifications with `get_new_notifs` every PROGRESS_S, or every EXPECTING_PROGRESS_S while
 `expecting()` says a WRITE to us is due (a receiver waiting for a request's state), and hands them
 to the sink (`set_sink`); (2) checks the state of watched WRITEs (`watch`), from WATCH_FIRST_S
 backing off to WATCH_MAX_S; once none is in flight it releases their handles and calls their
