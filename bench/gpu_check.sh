@@ -3,7 +3,10 @@
 #
 #   bash bench/gpu_check.sh
 #
-# 1. finds or builds a Python with a CUDA build of torch 2.13.0 and triton:
+# 1. finds or builds a Python with a CUDA build of torch and triton:
+#      - GPU_PYTHON=<python> when set: an interpreter that already has CUDA torch and triton (a
+#        GPU image's own); nothing is installed into it, the checkout goes on its PYTHONPATH, and
+#        steps whose packages it lacks (nixl-cu12 for the transfer step) are skipped, with a line, else
 #      - .venv when its torch already sees a GPU, else
 #      - $GPU_VENV (default .venv-gpu): torch==2.13.0 from pip's configured index, or
 #        TORCH_INDEX_URL=<index> (an index that serves CUDA wheels), or WHEELHOUSE=<dir> (offline
@@ -12,7 +15,7 @@
 #    CUDA by themselves when torch sees one)
 # 3. runs the kernel micro-benchmark (bench/kernels.py: Triton vs torch reference / SDPA) in bf16 and fp16
 # 4. runs the NIXL transfer benchmark (bench/transfer.py) with VRAM when it has such an option,
-#    else in DRAM, and says so
+#    else in DRAM (allocator page tables after churn, as Baton makes them), and says so
 # Everything it prints also lands in $OUT (default out/gpu): tests.txt, kernels_*.json, transfer.json.
 # Exit status: non-zero if any step failed (every step runs regardless).
 set -uo pipefail
@@ -35,7 +38,21 @@ fi
 
 has_cuda_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
 
-PY=.venv/bin/python
+importable() { "$PY" -c "import $1" 2>/dev/null; }
+
+if [ -n "${GPU_PYTHON:-}" ]; then
+  PY=$GPU_PYTHON
+  has_cuda_torch "$PY" || { echo "gpu_check: GPU_PYTHON=$PY has no torch that sees a GPU" >&2; exit 3; }
+  if ! importable baton.kernels; then  # the package layout of pyproject.toml, without pip
+    FARM=$(mktemp -d)
+    mkdir "$FARM/baton"
+    ln -s "$PWD"/baton/*.py "$FARM/baton/"
+    for d in shared proto services kernels; do ln -s "$PWD/$d" "$FARM/baton/$d"; done
+    export PYTHONPATH="$FARM${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONSAFEPATH=1  # `python -m` must not put the checkout first: its baton/ is only the CLI
+  fi
+fi
+PY=${PY:-.venv/bin/python}
 if ! has_cuda_torch "$PY"; then
   GPU_VENV=${GPU_VENV:-.venv-gpu}
   PY=$GPU_VENV/bin/python
@@ -58,7 +75,7 @@ if ! has_cuda_torch "$PY"; then
     fi
   fi
 fi
-"$PY" -m pip install -q triton 2>/dev/null || true  # a CUDA torch usually brings its own triton
+importable triton || "$PY" -m pip install -q triton || exit 3  # a CUDA torch usually brings its own
 "$PY" - <<'EOF' | tee "$OUT/env.txt"
 import torch, triton
 print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
@@ -66,12 +83,15 @@ print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_devic
 EOF
 
 unset TRITON_INTERPRET
-step tests env BATON_KERNELS=auto "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_kernels_*.py
+# --noconftest: the kernel tests need no fixture, and conftest.py imports the NATS bus
+step tests env BATON_KERNELS=auto "$PY" -m pytest -q -p no:cacheprovider --noconftest -rs tests/test_kernels_*.py
 step kernels_bf16 "$PY" bench/kernels.py --dtype bf16 --json "$OUT/kernels_bf16.json"
 step kernels_fp16 "$PY" bench/kernels.py --dtype fp16 --json "$OUT/kernels_fp16.json"
 
 HELP=$("$PY" bench/transfer.py --help 2>&1 || true)
-if grep -q -- "--vram" <<<"$HELP"; then
+if ! importable nixl_cu12; then
+  echo "=== transfer: skipped, nixl_cu12 is not importable by $PY (pip install nixl-cu12==1.5.1)"
+elif grep -q -- "--vram" <<<"$HELP"; then
   step transfer "$PY" bench/transfer.py --vram --json "$OUT/transfer.json"
 elif grep -q -- "--mem" <<<"$HELP"; then
   step transfer "$PY" bench/transfer.py --mem VRAM --json "$OUT/transfer.json"
@@ -79,7 +99,7 @@ elif grep -q -- "--device" <<<"$HELP"; then
   step transfer "$PY" bench/transfer.py --device cuda --json "$OUT/transfer.json"
 else
   echo "=== transfer: bench/transfer.py has no VRAM option yet (--vram / --mem / --device): DRAM only"
-  step transfer "$PY" bench/transfer.py --json "$OUT/transfer.json"
+  step transfer "$PY" bench/transfer.py --shape churn --json "$OUT/transfer.json"
 fi
 
 if [ ${#FAILED[@]} -gt 0 ]; then
