@@ -14,7 +14,7 @@ wakes when traffic arrives. (Driving progress from this thread instead, by calli
 WRITEs that never completed; paced, none in 9,000: bench/soak.py.) This thread, between calls,
 (1) collects notifications with `get_new_notifs` every PROGRESS_S, or every EXPECTING_PROGRESS_S while
 `expecting()` says a WRITE to us is due (a receiver waiting for a request's state), and hands them
-to the sink (`set_sink`); (2) checks the state of watched WRITEs (`watch`), from WATCH_FIRST_S
+to the sink (`set_sink`); (2) checks the state of posted WRITEs (`post`), from WATCH_FIRST_S
 backing off to WATCH_MAX_S; once none is in flight it releases their handles and calls their
 callback. Sink and callbacks run on this thread: they must be thread safe (e.g.
 `loop.call_soon_threadsafe`).
@@ -107,10 +107,19 @@ class NixlThread:
         """From now on hand notifications (held ones first) to `sink`, called on the NIXL thread."""
         await self.run(self._set_sink, sink)
 
-    def watch(self, xfers: list, done: Callable[[], None]) -> None:
-        """Keep the `state` of `xfers` (`nixl_ops.Xfer`s, posted by a call queued before this)
-        fresh; once none is "PROC", release their handles and call `done()` on the NIXL thread."""
-        self.submit(lambda agent: self._watched.append(_Watch(xfers, done)))
+    def post(self, fn: Callable[..., Any], xfers: list, done: Callable[[], None], *args: Any) -> None:
+        """Post `xfers` (`nixl_ops.Xfer`s) with `fn(agent, *args, xfers)`, then keep their `state`
+        fresh; once none is "PROC", release their handles and call `done()` on the NIXL thread.
+        One queue item: a WRITE that finished inside `fn` (cma copies in the call) is done at once."""
+        self.submit(self._post, fn, xfers, done, args)
+
+    def _post(self, agent: Any, fn: Callable[..., Any], xfers: list, done: Callable[[], None],
+              args: tuple) -> None:
+        try:
+            fn(agent, *args, xfers)
+        finally:
+            self._watched.append(_Watch(xfers, done))
+            self._watch_due(agent)
 
     def close(self) -> None:
         self._calls.put(None)

@@ -58,14 +58,19 @@ class Destination:
 @dataclass(eq=False)
 class _Write:
     peer: str
+    wake: asyncio.Future  # done once the WRITEs landed or the write was asked to stop (halt)
+    landed: asyncio.Future  # done once no WRITE is in flight and their handles are released
     stop: str = ""  # why to stop early ("" = don't); set it with halt()
     abort_requested: bool = False  # the receiver sent ABORT: acknowledge it at the end
-    stopping: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def halt(self, reason: str) -> None:
         self.stop = self.stop or reason
-        self.stopping.set()
+        _settle(self.wake)
+
+    def land(self) -> None:
+        _settle(self.landed)
+        _settle(self.wake)
 
 
 class Sender:
@@ -107,8 +112,12 @@ class Sender:
             return self.failed(tag, peer, str(e))
         aux = next(d for d in descriptors if d.component_key == AUX_KEY)
         write_tag(self._table.region((AUX_KEY, aux.layer_index)), aux.src_offset, tag)
-        job = self._writes[tag] = _Write(peer)
-        task = asyncio.create_task(self._run(tag, job, dest, self._xfers(tag, batches), start, deadline_s))
+        loop = asyncio.get_running_loop()
+        job = self._writes[tag] = _Write(peer, loop.create_future(), loop.create_future())
+        xfers = self._xfers(tag, batches)
+        if not self.faults.delay_s:
+            self._post(job, dest, xfers)  # on the wire now, not when the task first runs
+        task = asyncio.create_task(self._run(tag, job, dest, xfers, start, deadline_s))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -137,24 +146,26 @@ class Sender:
     async def _run(self, tag: int, job: _Write, dest: Destination, xfers: list[nixl_ops.Xfer],
                    start: float, deadline_s: float) -> TransferResult:
         loop = asyncio.get_running_loop()
+        deadline = loop.call_later(max(0.0, start + deadline_s - time.monotonic()),
+                                   job.halt, f"deadline of {deadline_s}s passed")
         try:
             if self.faults.delay_s:  # a slow WRITE in flight: neither abort nor deadline stops it
                 await asyncio.sleep(self.faults.delay_s)
-            landed = loop.create_future()  # set once no WRITE is in flight and handles are freed
-            self._nixl.submit(nixl_ops.post, self._items, job.peer, dest.items, xfers)
-            self._nixl.watch(xfers, lambda: loop.call_soon_threadsafe(_settle, landed))
-            stopping = loop.create_task(job.stopping.wait())
-            await asyncio.wait([landed, stopping], return_when=asyncio.FIRST_COMPLETED,
-                               timeout=max(0.0, start + deadline_s - time.monotonic()))
-            stopping.cancel()
-            if not landed.done():
-                job.halt(f"deadline of {deadline_s}s passed")
+                self._post(job, dest, xfers)
+            await job.wake
+            if not job.landed.done():  # stopped early: abort, deadline, peer gone, cancelled
                 await self._nixl.run(nixl_ops.cancel, xfers)
-                await landed  # cancelled, or finished if NIXL could not cancel
+                await job.landed  # cancelled, or finished if NIXL could not cancel
             return self._finish(tag, job, xfers, time.monotonic() - start)
         finally:
+            deadline.cancel()
             del self._writes[tag]
             job.done.set()
+
+    def _post(self, job: _Write, dest: Destination, xfers: list[nixl_ops.Xfer]) -> None:
+        loop = asyncio.get_running_loop()
+        self._nixl.post(nixl_ops.post, xfers, lambda: loop.call_soon_threadsafe(job.land),
+                        self._items, job.peer, dest.items)
 
     def _xfers(self, tag: int, batches: list[Batch]) -> list[nixl_ops.Xfer]:
         """One WRITE per batch, each notifying (tag, component, part i of the component's n)."""
