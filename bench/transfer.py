@@ -12,10 +12,16 @@ the page ids, on each side:
   churn       one page table for all layers, as the KV store allocates it (`IdPool`) after random
               requests came and went, fresh each iteration
   contiguous  0..n-1: one descriptor per layer (a fresh pool)
+`--inflight N` starts N requests' `write()`s together, on disjoint pages (one churned pool for all of
+them), as a prefill worker under load does: their fixed costs overlap with each other's copies.
+The byte columns then count all N payloads (S below is N x the payload).
 Pools are on 2 MiB huge pages, as the KV store allocates them (`--small-pages`: torch's own 4 KiB
 pages, to see what huge pages are worth); the copy baselines always are. Columns (GB/s = 1e9 B/s, medians):
-  write    payload / time of `write()` (post to every WRITE DONE)
-  arrive   payload / time from `write()` start to the receiver's ARRIVED event
+  write    S / time of `write()` (post to every WRITE DONE; the last one, with --inflight)
+  arrive   S / time from `write()` start to the receiver's (last) ARRIVED event
+  nixl     the same descriptors (all requests' together) as one WRITE by a second, bare NIXL
+           agent in this process: prepared lists, post, poll to DONE on one thread, no
+           notification, no Baton: NIXL's own ceiling for this shape
   cma      the same descriptors copied by raw process_vm_writev calls (1024 iovecs per call):
            the ceiling of UCX's cma transport for this shape, without NIXL or Baton
   copy1    contiguous copy of S bytes in this process on one thread (`np.copyto`, a memcpy; a
@@ -42,12 +48,15 @@ from baton.shared.kv.allocator import IdPool
 from baton.shared.kv.descriptors import merge_runs
 from baton.shared.kv.host_memory import huge_page_zeros
 from baton.shared.transfer import AUX_KEY, Descriptor, EventKind, Region, TransferAgent
+from baton.shared.transfer.nixl_thread import create_agent
 
 KV = "target/FULL"
 AUX_BYTES = 4096
 SIZES = "64K,256K,1M,4M,16M,64M,256M"
 SHAPES = ("random", "churn", "contiguous")
 CHURN_ROUNDS = 8
+COLUMNS = {"write": "write_gbps", "arrive": "arrive_gbps", "nixl": "nixl_gbps", "cma": "cma_gbps",
+           "copy1": "copy1_gbps", "copyN": "copyn_gbps", "ratio": "ratio", "ratioN": "ratio_n"}
 
 
 def parse_size(text: str) -> int:
@@ -55,10 +64,11 @@ def parse_size(text: str) -> int:
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
-def make_pools(layers: int, pages: int, page: int, fill: bool, huge: bool) -> dict[tuple[str, int], np.ndarray]:
+def make_pools(layers: int, pages: int, page: int, fill: bool, huge: bool,
+               aux_rows: int) -> dict[tuple[str, int], np.ndarray]:
     zeros = host_zeros if huge else lambda n: torch.zeros(n, dtype=torch.uint8)
     pools = {(KV, layer): zeros(pages * page).numpy() for layer in range(layers)}
-    pools[AUX_KEY, 0] = zeros(4 * AUX_BYTES).numpy()
+    pools[AUX_KEY, 0] = zeros(aux_rows * AUX_BYTES).numpy()
     rng = np.random.default_rng(0)
     for a in pools.values():  # touch every page now: real pools are resident
         a[:] = rng.integers(0, 256, a.size, dtype=np.uint8) if fill else 0
@@ -75,8 +85,8 @@ def regions_of(pools, page: int) -> list[Region]:
 
 
 # --- receiver process -------------------------------------------------------------------------
-def receiver(conn, layers: int, pages: int, page: int, huge: bool) -> None:
-    asyncio.run(_receive(conn, make_pools(layers, pages, page, fill=False, huge=huge), page))
+def receiver(conn, layers: int, pages: int, page: int, huge: bool, aux_rows: int) -> None:
+    asyncio.run(_receive(conn, make_pools(layers, pages, page, fill=False, huge=huge, aux_rows=aux_rows), page))
 
 
 async def _receive(conn, pools, page: int) -> None:
@@ -88,34 +98,47 @@ async def _receive(conn, pools, page: int) -> None:
             op, *args = conn.recv()
             if op == "stop":
                 return
-            if op == "expect":  # (tag, components, aux_offset): ack now, report the event later
-                agent.arrivals.expect(args[0], "bench-send", args[1], args[2], 30.0)
+            if op == "expect":  # [(tag, aux_offset)], components: ack now, report the last event later
+                for tag, aux_offset in args[0]:
+                    agent.arrivals.expect(tag, "bench-send", args[1], aux_offset, 30.0)
                 conn.send("ok")
-                event = await agent.arrivals.events.get()
-                conn.send((event.kind.value, time.monotonic()))
+                kinds = {(await agent.arrivals.events.get()).kind.value for _ in args[0]}
+                conn.send((sorted(kinds), time.monotonic()))
             elif op == "read":  # (component, layer, offset, nbytes)
                 key, layer, offset, nbytes = args
                 conn.send(pools[key, layer][offset:offset + nbytes].tobytes())
 
 
 # --- sender -----------------------------------------------------------------------------------
-def plan(payload: int, layers: int, pages: int, page: int, rng, shape: str) -> list[Descriptor]:
-    used = max(1, min(layers, payload // page))
-    per_layer = max(1, payload // (used * page))
-    out = []
+def pages_per_layer(payload: int, layers: int, page: int) -> int:
+    return max(1, payload // (layers_used(payload, layers, page) * page))
+
+
+def layers_used(payload: int, layers: int, page: int) -> int:
+    return max(1, min(layers, payload // page))
+
+
+def plan(payload: int, layers: int, pages: int, page: int, rng, shape: str, inflight: int) -> list[list[Descriptor]]:
+    """The descriptors of `inflight` requests of `payload` bytes each, on disjoint pages; request
+    i's aux row is row i on both sides."""
+    used, per_layer = layers_used(payload, layers, page), pages_per_layer(payload, layers, page)
+    requests: list[list[Descriptor]] = [[] for _ in range(inflight)]
     for layer in range(used):
         if shape == "random" or layer == 0:
-            src, dst = (page_ids(shape, per_layer, pages, rng) for _ in range(2))
-        out += [Descriptor(KV, layer, s * page, d * page, n * page) for s, d, n in merge_runs(src, dst)]
-    return out + [Descriptor(AUX_KEY, 0, 0, AUX_BYTES, AUX_BYTES)]
+            tables = [page_tables(shape, per_layer, inflight, pages, rng) for _ in range(2)]  # src, dst
+        for out, src, dst in zip(requests, *tables):
+            out += [Descriptor(KV, layer, s * page, d * page, n * page) for s, d, n in merge_runs(src, dst)]
+    return [out + [Descriptor(AUX_KEY, 0, i * AUX_BYTES, i * AUX_BYTES, AUX_BYTES)] for i, out in enumerate(requests)]
 
 
-def page_ids(shape: str, n: int, pages: int, rng) -> np.ndarray:
+def page_tables(shape: str, n: int, count: int, pages: int, rng) -> list[np.ndarray]:
+    """`count` disjoint page tables of n pages each."""
     if shape == "random":
-        return rng.choice(pages, n, replace=False)
+        return list(rng.choice(pages, n * count, replace=False).reshape(count, n))
     if shape == "contiguous":
-        return np.arange(n)
-    return np.array(churned(pages, n, rng).take(n))
+        return list(np.arange(n * count).reshape(count, n))
+    pool = churned(pages, n * count, rng)
+    return [np.array(pool.take(n)) for _ in range(count)]
 
 
 def churned(pages: int, need: int, rng) -> IdPool:
@@ -154,43 +177,85 @@ def cma_seconds(pid: int, descriptors: list[Descriptor], local: dict, remote: di
     return time.monotonic() - t0
 
 
+class RawNixl:
+    """A second NIXL agent in this process, outside Baton: the same memory, each measured WRITE
+    made from one-off prepared lists of the descriptors (prepared before the clock starts), posted
+    and polled to DONE on the calling thread with nothing else in the way, no notification: what
+    NIXL itself does with this shape."""
+
+    def __init__(self, pools, peer_metadata: bytes):
+        self.agent = create_agent("bench-raw")  # configured as TransferAgent's are
+        self.reg = self.agent.register_memory([(a.ctypes.data, a.nbytes, 0, "") for a in pools.values()], "DRAM")
+        name = self.agent.add_remote_agent(peer_metadata)
+        self.peer = name.decode() if isinstance(name, bytes) else name
+        self.agent.make_connection(self.peer)
+
+    def seconds(self, descriptors: list[Descriptor], local: dict, remote: dict) -> float:
+        def rows(base: dict, offset: str) -> np.ndarray:
+            return np.array([(base[d.component_key, d.layer_index] + getattr(d, offset), d.nbytes, 0)
+                             for d in descriptors], dtype=np.uint64)  # [n, 3]: addr, bytes, device
+        src = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local, "src_offset"), "DRAM")
+        dst = self.agent.prep_xfer_dlist(self.peer, rows(remote, "dst_offset"), "DRAM")
+        index = np.arange(len(descriptors), dtype=np.int32)
+        t0 = time.monotonic()
+        handle = self.agent.make_prepped_xfer("WRITE", src, index, dst, index)
+        state = self.agent.transfer(handle)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(handle)
+        seconds = time.monotonic() - t0
+        assert state == "DONE", state
+        for h in (handle, src, dst):
+            h.release()
+        return seconds
+
+    def close(self) -> None:
+        self.agent.remove_remote_agent(self.peer)
+        self.agent.deregister_memory(self.reg)
+
+
 async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, tag: int) -> dict:
-    """Each iteration times, back to back so they see the same machine load: one `write()`, its
-    arrival, the raw cma copy of its descriptors, and a one-thread memcpy. The multi-threaded torch
-    copies run afterwards: torch's OpenMP workers spin after a parallel op and would steal a
-    core from the next WRITE."""
-    times: dict[str, list[float]] = {k: [] for k in ("write", "arrive", "cma", "copy1")}
-    counts = []  # descriptors per iteration (churn: each iteration has its own page tables)
+    """Each iteration times, back to back so they see the same machine load: `--inflight` requests'
+    `write()`s started together, until the last one returns and arrives; the raw cma copy of their
+    descriptors; a one-thread memcpy of as many bytes. The multi-threaded torch copies run
+    afterwards: torch's OpenMP workers spin after a parallel op and would steal a core from the
+    next WRITE."""
+    times: dict[str, list[float]] = {k: [] for k in ("write", "arrive", "nixl", "cma", "copy1")}
+    counts = []  # descriptors per request (churn: each iteration has its own page tables)
     for i in range(args.warmup + args.iters):
-        descriptors = plan(payload, args.layers, args.pages, args.page_kib << 10, rng, args.shape)
-        nbytes = sum(x.nbytes for x in descriptors[:-1])
-        counts.append(len(descriptors))
+        requests = plan(payload, args.layers, args.pages, args.page_kib << 10, rng, args.shape, args.inflight)
+        nbytes = sum(x.nbytes for r in requests for x in r[:-1])  # all requests, aux rows aside
+        counts += [len(r) for r in requests]
         if i == 0:
             src = host_zeros(nbytes).random_(0, 256)  # huge pages: memcpy's best case
             dst = host_zeros(nbytes)  # touched, like the receiver's pools
             src1, dst1 = src.numpy(), dst.numpy()
-        tag += 1
-        conn.send(("expect", tag, [KV], AUX_BYTES))
+        tags = list(range(tag + 1, tag + 1 + len(requests)))
+        tag = tags[-1]
+        conn.send(("expect", [(t, r[-1].dst_offset) for t, r in zip(tags, requests)], [KV]))
         assert conn.recv() == "ok"
         t0 = time.monotonic()
-        result = await agent.write("bench-decode", descriptors, tag, 30.0)
+        results = await asyncio.gather(*(agent.write("bench-decode", r, t, 30.0) for t, r in zip(tags, requests)))
         t1 = time.monotonic()
         while not conn.poll():
             await asyncio.sleep(0.0005)
-        kind, arrived = conn.recv()
-        assert result.ok and kind == EventKind.ARRIVED.value, (result, kind)
+        kinds, arrived = conn.recv()
+        assert all(r.ok for r in results) and kinds == [EventKind.ARRIVED.value], (results, kinds)
+        every = [d for r in requests for d in r]
         sample = {"write": t1 - t0, "arrive": arrived - t0,
-                  "cma": cma_seconds(args.receiver_pid, descriptors, args.local, args.remote),
+                  "nixl": args.raw.seconds(every, args.local, args.remote),
+                  "cma": cma_seconds(args.receiver_pid, every, args.local, args.remote),
                   "copy1": timed(np.copyto, dst1, src1)}
         if i >= args.warmup:
             for k, v in sample.items():
                 times[k].append(v)
     times["copyn"] = [timed(dst.copy_, src) for _ in range(args.warmup + args.iters)][args.warmup:]
-    d = descriptors[-2]
-    conn.send(("read", d.component_key, d.layer_index, d.dst_offset, d.nbytes))
-    assert conn.recv() == pools[d.component_key, d.layer_index][d.src_offset:d.src_offset + d.nbytes].tobytes()
+    for r in requests:  # the last iteration's bytes arrived where they should
+        d = r[-2]
+        conn.send(("read", d.component_key, d.layer_index, d.dst_offset, d.nbytes))
+        assert conn.recv() == pools[d.component_key, d.layer_index][d.src_offset:d.src_offset + d.nbytes].tobytes()
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
-    return {"payload_bytes": nbytes, "descriptors": int(statistics.median(counts)),
+    return {"payload_bytes": nbytes // len(requests), "inflight": len(requests),
+            "descriptors": int(statistics.median(counts)),
             **{f"{k}_gbps": v for k, v in gbps.items()}, "ratio": gbps["write"] / gbps["copy1"],
             "ratio_n": gbps["write"] / gbps["copyn"], "write_ms": statistics.median(times["write"]) * 1e3,
             "tag": tag}
@@ -210,13 +275,16 @@ async def send(args, conn, pools) -> list[dict]:
         await agent.add_peer("bench-decode", meta, regions)
         args.local = {r.key: r.addr for r in agent.table.regions}
         args.remote = {r.key: r.addr for r in regions}
-        for size in args.sizes.split(","):
-            row = await measure(agent, conn, pools, parse_size(size), args, rng, tag)
-            tag = row.pop("tag")
-            rows.append(row)
-            print(f"{row['payload_bytes'] / 2**20:9.3f} {row['descriptors']:6d} " + " ".join(
-                f"{row[k]:7.2f}" for k in ("write_gbps", "arrive_gbps", "cma_gbps", "copy1_gbps",
-                                           "copyn_gbps", "ratio", "ratio_n")), flush=True)
+        args.raw = RawNixl(pools, meta)
+        try:
+            for size in args.sizes.split(","):
+                row = await measure(agent, conn, pools, parse_size(size), args, rng, tag)
+                tag = row.pop("tag")
+                rows.append(row)
+                print(f"{row['payload_bytes'] / 2**20:9.3f} {row['descriptors']:6d} " + " ".join(
+                    f"{row[k]:7.2f}" for k in COLUMNS.values()), flush=True)
+        finally:
+            args.raw.close()
     conn.send(("stop",))
     return rows
 
@@ -230,24 +298,31 @@ def main() -> None:
     ap.add_argument("--shape", choices=SHAPES, default="random", help="page ids on both sides (see above)")
     ap.add_argument("--small-pages", action="store_true",
                     help="pools on torch's own allocation (4 KiB pages) instead of the KV store's huge pages")
+    ap.add_argument("--inflight", type=int, default=1,
+                    help="requests whose WRITEs are started together (a prefill worker under load); "
+                         "GB/s then counts all of their bytes")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     page = args.page_kib << 10
-    largest = max(parse_size(s) for s in args.sizes.split(","))
-    args.pages = -(-largest * 5 // (4 * args.layers * page))  # pages per layer region, 25% spare
+    if args.inflight < 1:
+        ap.error("--inflight must be >= 1")
+    # pages per layer region: every in-flight request's pages, 25% spare
+    needed = max(pages_per_layer(parse_size(s), args.layers, page) for s in args.sizes.split(","))
+    args.pages = -(-needed * args.inflight * 5 // 4)
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=receiver, args=(child_conn, args.layers, args.pages, page, not args.small_pages), daemon=True)
+    child = ctx.Process(target=receiver, args=(child_conn, args.layers, args.pages, page, not args.small_pages,
+                                               args.inflight), daemon=True)
     child.start()
     args.receiver_pid = child.pid
-    pools = make_pools(args.layers, args.pages, page, fill=True, huge=not args.small_pages)
+    pools = make_pools(args.layers, args.pages, page, fill=True, huge=not args.small_pages, aux_rows=args.inflight)
     args.torch_threads = torch.get_num_threads()
     print(f"pages {args.shape}, {args.page_kib} KiB, {'4 KiB' if args.small_pages else '2 MiB'} memory pages, "
+          f"{args.inflight} request(s) in flight, "
           f"torch threads {args.torch_threads}, UCX_TLS={os.environ.get('UCX_TLS', '(default)')}")
-    print(f"{'MiB':>9} {'descs':>6} " + " ".join(f"{c:>7}" for c in
-          ("write", "arrive", "cma", "copy1", "copyN", "ratio", "ratioN")))
+    print(f"{'MiB':>9} {'descs':>6} " + " ".join(f"{c:>7}" for c in COLUMNS))
     rows = asyncio.run(send(args, conn, pools))
     child.join(10)
     if args.json:
@@ -255,6 +330,7 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
         args.json.write_text(json.dumps({"bench": "transfer", "layers": args.layers, "page_bytes": page,
                                          "shape": args.shape, "huge_pages": not args.small_pages, "iters": args.iters,
+                                         "inflight": args.inflight,
                                          "torch_threads": args.torch_threads, "ucx_env": env,
                                          "rows": rows}, indent=2))
 

@@ -45,7 +45,8 @@ _PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
 Notifications = dict[str, list[bytes]]  # peer agent name -> messages, in arrival order
 
 
-def _create(name: str) -> Any:
+def create_agent(name: str) -> Any:
+    """A NIXL agent with the UCX backend and the paced progress thread (below)."""
     from nixl_cu12 import _api  # not the `nixl` shim: no CUDA torch
 
     with _CREATE_LOCK:
@@ -136,7 +137,7 @@ class NixlThread:
 
     def _main(self, name: str, started: Future) -> None:
         try:
-            agent = _create(name)
+            agent = create_agent(name)
         except BaseException as e:
             started.set_exception(e)
             return
