@@ -11,7 +11,7 @@ from typing import Literal
 from .errors import bad_request
 from .fields import Count, Millis, RequestId, Seed, Subject, TokenId, WorkerId
 from .limits import Limits
-from .public import FinishReason, SpecStats, Timing, check_sampling
+from .public import FinishReason, SpecStats, Timing, check_draft_tokens, check_sampling
 
 Role = Literal["prefill", "decode"]
 
@@ -27,9 +27,11 @@ class SamplingParams:
     top_p: float = 1.0
     seed: Seed | None = None
     stop_token_ids: list[TokenId] = field(default_factory=list)
+    draft_tokens: int | None = None  # GenerateRequest.draft_tokens: a cap on the deployment's K
 
     def validate(self, limits: Limits) -> None:
         check_sampling(self.temperature, self.top_p)
+        check_draft_tokens(self.draft_tokens)
 
 
 # --- registry ---------------------------------------------------------------------------

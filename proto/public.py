@@ -19,6 +19,7 @@ class GenerateRequest:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # 0 < top_p <= 1
     seed: Seed | None = None
+    draft_tokens: int | None = None  # <= this many drafts per step (0: none); None: the deployment's K
     stream: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[TokenId] = field(default_factory=list)
@@ -39,6 +40,7 @@ class GenerateRequest:
         if not 1 <= self.max_tokens <= limits.max_tokens:
             raise bad_request(f"field 'max_tokens': must be between 1 and {limits.max_tokens}, got {self.max_tokens}")
         check_sampling(self.temperature, self.top_p)
+        check_draft_tokens(self.draft_tokens)
         if len(self.stop) > limits.max_stop or len(self.stop_token_ids) > limits.max_stop:
             raise bad_request(f"fields 'stop' and 'stop_token_ids': at most {limits.max_stop} entries each")
         for i, text in enumerate(self.stop):
@@ -51,6 +53,17 @@ def check_sampling(temperature: float, top_p: float) -> None:
         raise bad_request(f"field 'temperature': must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise bad_request(f"field 'top_p': must be in (0, 1], got {top_p}")
+
+
+MAX_DRAFT_TOKENS = 16  # the bound SpecConfig puts on a deployment's --draft-tokens
+
+
+def check_draft_tokens(draft_tokens: int | None) -> None:
+    """A per-request cap on speculation: it lowers the deployment's K (0: no drafts), never raises
+    it (KV is reserved for K drafts). Any k leaves the output the target's: verification keeps
+    greedy tokens exact and sampled ones distributed as the target's."""
+    if draft_tokens is not None and not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise bad_request(f"field 'draft_tokens': must be between 0 and {MAX_DRAFT_TOKENS}, got {draft_tokens}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ from baton.proto.errors import ErrorCode, ErrorDetail, ErrorReply
 USAGE = public.Usage(prompt_tokens=6, completion_tokens=3)
 SPEC = public.SpecStats(verify_steps=2, drafted=6, accepted=1)
 TIMING = public.Timing(ttft_ms=12.5, total_ms=31.0)
-SAMPLING = internal.SamplingParams(temperature=0.7, top_p=0.9, seed=2**64 - 1, stop_token_ids=[2])
+SAMPLING = internal.SamplingParams(temperature=0.7, top_p=0.9, seed=2**64 - 1, stop_token_ids=[2], draft_tokens=2)
 CAPACITY = internal.Capacity(total_pages=4096, page_size=16, total_slots=64, max_seq_len=4096)
 LOAD = internal.WorkerLoad(free_pages=3900, free_slots=60, active_requests=4, queued_prompt_tokens=0)
 REGISTRATION = internal.WorkerRegistration(
@@ -21,7 +21,7 @@ REGISTRATION = internal.WorkerRegistration(
 
 EXAMPLES = [
     public.GenerateRequest(prompt="To be, or not to be", max_tokens=32, stop=["\n\n"], request_id="r-1"),
-    public.GenerateRequest(token_ids=[1, 2, 2**31 - 1], temperature=1.0, top_p=0.5, seed=7, stream=True,
+    public.GenerateRequest(token_ids=[1, 2, 2**31 - 1], temperature=1.0, top_p=0.5, seed=7, draft_tokens=0, stream=True,
                            stop_token_ids=[0]),
     public.GenerateReply(request_id="r-1", token_ids=[412, 9, 77], text=" that is the", finish_reason="length",
                          usage=USAGE, spec=SPEC, timing=TIMING),

@@ -49,6 +49,11 @@ def refused(data: bytes, cls: type, limits: Limits = Limits()) -> BatonError:
     ({"prompt": "x", "top_p": 1.5}, "bad_request", "'top_p'"),
     ({"prompt": "x", "top_p": float("nan")}, "bad_request", "'top_p'"),
     ({"prompt": "x", "seed": -1}, "bad_request", "'seed'"),
+    ({"prompt": "x", "draft_tokens": -1}, "bad_request", "'draft_tokens': must be between 0 and 16, got -1"),
+    ({"prompt": "x", "draft_tokens": 17}, "bad_request", "'draft_tokens': must be between 0 and 16, got 17"),
+    ({"prompt": "x", "draft_tokens": 2.0}, "bad_request", "'draft_tokens': expected int, got float"),
+    ({"prompt": "x", "draft_tokens": "3"}, "bad_request", "'draft_tokens': expected int, got str"),
+    ({"prompt": "x", "draft_tokens": True}, "bad_request", "'draft_tokens': expected int, got bool"),
     ({"prompt": "x", "stream": 1}, "bad_request", "'stream': expected bool, got int"),
     ({"prompt": "x", "stop": "\n"}, "bad_request", "'stop': expected a list"),
     ({"prompt": "x", "stop": [""]}, "bad_request", "'stop[0]'"),
@@ -74,6 +79,14 @@ def test_max_tokens_limit_is_configurable():
     assert decode(data, public.GenerateRequest, Limits(max_tokens=8192)).max_tokens == 8000
     assert "between 1 and 16" in refused(pack(prompt="x", max_tokens=17), public.GenerateRequest,
                                          Limits(max_tokens=16)).message
+
+
+@pytest.mark.parametrize("value", [None, 0, 1, 16])
+def test_draft_tokens_accepted_values(value):
+    assert decode(pack(prompt="x", draft_tokens=value), public.GenerateRequest).draft_tokens == value
+    sampling = decode(pack(draft_tokens=value), internal.SamplingParams)
+    assert sampling.draft_tokens == value
+    assert decode(pack(prompt="x"), public.GenerateRequest).draft_tokens is None  # omitted: the deployment's K
 
 
 @pytest.mark.parametrize("data, mentions", [
@@ -166,6 +179,11 @@ def test_registration_rules(path, value, mentions):
                                "stream_subject": "_INBOX.x"}, "'top_p'"),
     (internal.ReserveRequest, {"request_id": "r", "token_ids": [1], "max_tokens": 4, "sampling": {},
                                "stream_subject": "tokens.>"}, "'stream_subject'"),
+    (internal.ReserveRequest, {"request_id": "r", "token_ids": [1], "max_tokens": 4, "sampling": {"draft_tokens": 17},
+                               "stream_subject": "_INBOX.x"}, "'draft_tokens'"),
+    (internal.PrefillDispatch, {"request_id": "r", "token_ids": [1], "sampling": {"draft_tokens": -1}},
+     "'draft_tokens'"),
+    (internal.SamplingParams, {"draft_tokens": "all"}, "'draft_tokens': expected int, got str"),
     (internal.TokenChunk, {"request_id": "r", "seq": 0, "token_ids": [1], "finished": True},
      "a finished chunk needs"),
     (internal.TokenChunk, {"request_id": "r", "seq": 0, "token_ids": [1], "finish_reason": "stop"},
