@@ -1,10 +1,15 @@
 """The step loop: greedy output is exact with speculation on or off, in every draft-state mode,
-with sequences of different lengths batched together; pools end empty."""
+with sequences of different lengths batched together, and with each request drafting its own
+number of tokens (draft_tokens); pools end empty."""
+from dataclasses import replace
+
 import pytest
 import torch
 
+from baton.proto.public import MAX_DRAFT_TOKENS
 from baton.shared.engine.local import LocalCapacity, LocalEngine
 from baton.shared.engine.runner import SpecConfig
+from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import Sequence
 from baton.shared.model.dense_attention import DenseAttention
 from tiny_model import tiny_model
@@ -28,11 +33,16 @@ def dense_greedy(model, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-def run_aggregated(model, spec: SpecConfig, prompts, max_tokens: int, mode: str = "ring", stop=()):
+def run_aggregated(model, spec: SpecConfig, prompts, max_tokens: int, mode: str = "ring", stop=(), caps=None,
+                   params=SamplingParams(), seed: int = 0):
+    """caps: each sequence's draft_tokens (None: all use the deployment's K); sampled sequences
+    get seeds seed, seed+1, ..."""
     engine = LocalEngine(model, spec, LocalCapacity(num_pages=200, page_size=4, num_slots=8, mode=mode),
                          prefill_chunk=5)
-    seqs = engine.run([Sequence(f"r{i}", p, max_tokens, stop_token_ids=frozenset(stop))
-                       for i, p in enumerate(prompts)])
+    caps = caps or [None] * len(prompts)
+    seqs = engine.run([Sequence(f"r{i}", p, max_tokens, replace(params, seed=seed + i) if not params.greedy else params,
+                                stop_token_ids=frozenset(stop), draft_tokens=cap)
+                       for i, (p, cap) in enumerate(zip(prompts, caps))])
     engine.store.check_integrity()
     free = engine.store.free_capacity()
     assert (free.pages, free.slots) == (200, 8)
@@ -79,3 +89,53 @@ def test_transfer_and_rebuild_accept_identically(model):
     t = run_aggregated(model, SpecConfig(True, 3, "transfer"), PROMPTS, 17)
     r = run_aggregated(model, SpecConfig(True, 3, "rebuild"), PROMPTS, 17)
     assert [s.stats.accepted_at for s in t] == [s.stats.accepted_at for s in r]
+
+
+K = 3
+CAPS = [None, 0, 1, 2, K + 4]  # per request: the deployment's K, none, fewer, and more than K (= K)
+MIXED = [*PROMPTS, [(5 * i + 2) % 61 for i in range(2 * W + 1)], [9, 9, 9, 9]]
+
+
+@pytest.mark.parametrize("draft_state", ["transfer", "rebuild", "cold"])
+@pytest.mark.parametrize("shift", [0, 2], ids=["caps", "caps-rotated"])
+def test_per_request_draft_tokens_keep_greedy_exact(model, draft_state, shift):
+    caps = CAPS[shift:] + CAPS[:shift]  # each prompt meets more than one cap
+    seqs = run_aggregated(model, SpecConfig(True, K, draft_state), MIXED, 17, caps=caps)
+    off = run_aggregated(model, SpecConfig(enabled=False), MIXED, 17, caps=caps)  # no effect with spec off
+    for s, o, p, cap in zip(seqs, off, MIXED, caps):
+        assert s.output == o.output == dense_greedy(model, p, 17), cap
+        assert o.stats.as_dict() == {"verify_steps": 0, "drafted": 0, "accepted": 0}
+        k = K if cap is None else min(K, cap)
+        if k == 0:
+            assert s.stats.as_dict() == {"verify_steps": 0, "drafted": 0, "accepted": 0} and s.stats.per_step == []
+        else:
+            assert s.stats.verify_steps > 0 and s.stats.drafted == k * s.stats.verify_steps
+            assert len(s.stats.accepted_at) == k
+
+
+def test_per_request_draft_tokens_sample_with_mixed_k(model):
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    seqs = run_aggregated(model, SpecConfig(True, K, "transfer"), MIXED, 17, caps=CAPS, params=params, seed=40)
+    for s, cap in zip(seqs, CAPS):
+        k = K if cap is None else min(K, cap)
+        assert s.finish_reason == "length" and len(s.output) == 17
+        assert s.stats.drafted == k * s.stats.verify_steps and (s.stats.verify_steps > 0) == (k > 0)
+        assert s.stats.accepted <= s.stats.drafted
+
+
+def test_draft_tokens_zero_decodes_exactly_as_speculation_off_when_sampling(model):
+    """With k = 0 for every request the verify forward is the plain decode forward and the accept
+    rule draws the bonus token from p as `choose` would: seeded tokens are the same."""
+    params = SamplingParams(temperature=1.1)
+    zero = run_aggregated(model, SpecConfig(True, K, "transfer"), MIXED, 17, caps=[0] * len(MIXED),
+                          params=params, seed=7)
+    off = run_aggregated(model, SpecConfig(enabled=False), MIXED, 17, params=params, seed=7)
+    assert [s.output for s in zero] == [s.output for s in off]
+    assert all(s.stats.verify_steps == 0 for s in zero)
+
+
+def test_request_bound_is_the_engine_bound():
+    """GenerateRequest.draft_tokens is checked against the same 16 the deployment's K is."""
+    SpecConfig(True, MAX_DRAFT_TOKENS)
+    with pytest.raises(ValueError):
+        SpecConfig(True, MAX_DRAFT_TOKENS + 1)

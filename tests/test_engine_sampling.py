@@ -67,6 +67,17 @@ def test_accept_rule_matches_target_analytically():
     assert chi_square(biased, p)[0] > chi_square_limit(dof)  # the check has teeth
 
 
+def test_no_drafts_is_plain_sampling():
+    """A request with draft_tokens=0 is verified with no drafts: the accept rule then emits the
+    target's token at the one position, drawn exactly as `choose` draws it."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))  # [k+1 = 1, V]
+    assert accept_drafts([], [], logits, SamplingParams(), None) == (0, int(logits[0].argmax()))
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    for seed in range(20):
+        accepted, token = accept_drafts([], [], logits, params, torch.Generator().manual_seed(seed))
+        assert (accepted, token) == (0, sampling.choose(logits[0], params, torch.Generator().manual_seed(seed))[0])
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(24, (SLIDING, FULL), window=4, seed=3, std=0.5)

@@ -7,6 +7,9 @@ Decode:   one `step(seqs)` advances every active sequence together:
           spec on   draft k tokens with the MTP layer (first draft forward also recomputes the
                     draft entries of the tokens accepted last round, from target hidden states),
                     verify all of them with one target forward over k+1 positions, accept, rewind.
+                    k is per sequence: the deployment's K, or less where a request asks for less
+                    (`Sequence.draft_tokens`); a sequence with k = 0 skips the draft forwards and
+                    is verified over its one position, i.e. decoded plainly, in the same forward.
 The draft entry at position p is f(h_{p-1}, token_p) and predicts token_{p+1} (docs/architecture.md).
 """
 from __future__ import annotations
@@ -120,17 +123,24 @@ class ModelRunner:
             emitted.append(s.emit([choose(lg, s.params, s.gen)[0]]))
         return emitted
 
-    def _spec_step(self, seqs: list[Sequence]) -> list[list[int]]:
+    def draft_tokens(self, seq: Sequence) -> int:
+        """k for this sequence: the deployment's K, lowered (never raised) by the request's own cap."""
         k = self.spec.draft_tokens
-        drafts, q_probs = self._draft_chain(seqs, k)  # [B][k] tokens, [B][k] probs or None
-        verify = [Chunk(s.request_id, s.length, k + 1) for s in seqs]
-        hidden = self._target(verify, [t for s, d in zip(seqs, drafts) for t in [s.last_token] + d])
-        hidden = hidden.view(len(seqs), k + 1, -1)  # [B, k+1, d]
-        logits = self.model.logits(hidden)  # [B, k+1, V]
+        return k if seq.draft_tokens is None else min(k, seq.draft_tokens)
+
+    def _spec_step(self, seqs: list[Sequence]) -> list[list[int]]:
+        ks = [self.draft_tokens(s) for s in seqs]  # k_b; 0: plain decode inside the same forward
+        drafts, q_probs = self._draft_chain(seqs, ks)  # [B][k_b] tokens, [B][k_b] probs or None
+        verify = [Chunk(s.request_id, s.length, k + 1) for s, k in zip(seqs, ks)]
+        ids = [t for s, d in zip(seqs, drafts) for t in [s.last_token] + d]
+        hidden = self._target(verify, ids)  # [sum(k_b+1), d]
+        logits = self.model.logits(hidden)  # [sum(k_b+1), V]
+        sizes = [k + 1 for k in ks]  # each sequence's rows of hidden and logits
         emitted = []
-        for s, d, q, h, lg in zip(seqs, drafts, q_probs, hidden, logits):
-            accepted, bonus = accept_drafts(d, q, lg, s.params, s.gen)
-            s.stats.record(k, accepted)
+        for s, k, d, q, h, lg in zip(seqs, ks, drafts, q_probs, hidden.split(sizes), logits.split(sizes)):
+            accepted, bonus = accept_drafts(d, q, lg, s.params, s.gen)  # h: [k_b+1, d], lg: [k_b+1, V]
+            if k:  # a request without drafts reports no speculation
+                s.stats.record(k, accepted)
             n = s.length
             s.length = n + accepted + 1  # t_n and the accepted drafts are now committed
             self.store.rollback(s.request_id, s.length)
@@ -138,20 +148,31 @@ class ModelRunner:
             emitted.append(s.emit(d[:accepted] + [bonus]))
         return emitted
 
-    def _draft_chain(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], list[list]]:
-        # first draft forward: entries draft_len .. length (the last one queries the next token)
-        chunks = [Chunk(s.request_id, s.draft_len, s.length - s.draft_len + 1, floor=s.draft_floor) for s in seqs]
-        ids = [t for s in seqs for t in s.tokens[s.draft_len:s.length + 1]]
-        g = self._draft(chunks, ids, torch.cat([s.pending_hidden for s in seqs]))
-        last = torch.stack([x[-1] for x in g.split([c.n for c in chunks])])  # [B, d]
+    def _draft_chain(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[list]]:
+        """Draft k_b tokens for each sequence; those with k_b = 0 take no draft forward at all
+        (they never draft, so they never read their draft entries)."""
         drafts, probs = [[] for _ in seqs], [[] for _ in seqs]
-        for j in range(k):
-            logits = self.model.logits(last)  # [B, V]
-            for b, (s, lg) in enumerate(zip(seqs, logits)):
-                token, q = choose(lg, s.params, s.gen)
+        rows = [b for b, k in enumerate(ks) if k > 0]  # row i of `last` is seqs[rows[i]]
+        if not rows:
+            return drafts, probs
+        live = [seqs[b] for b in rows]
+        # first draft forward: entries draft_len .. length (the last one queries the next token)
+        chunks = [Chunk(s.request_id, s.draft_len, s.length - s.draft_len + 1, floor=s.draft_floor) for s in live]
+        ids = [t for s in live for t in s.tokens[s.draft_len:s.length + 1]]
+        g = self._draft(chunks, ids, torch.cat([s.pending_hidden for s in live]))
+        last = torch.stack([x[-1] for x in g.split([c.n for c in chunks])])  # [B', d]
+        for j in range(max(ks)):
+            logits = self.model.logits(last)  # [B', V]
+            for b, lg in zip(rows, logits):
+                token, q = choose(lg, seqs[b].params, seqs[b].gen)
                 drafts[b].append(token)
                 probs[b].append(q)
-            if j + 1 < k:  # chain: the draft's own hidden state stands in for the target's
-                chunks = [Chunk(s.request_id, s.length + j + 1, 1, floor=s.draft_floor) for s in seqs]
-                last = self._draft(chunks, [d[-1] for d in drafts], last)
+            keep = [i for i, b in enumerate(rows) if ks[b] > j + 1]  # the rows that draft again
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                rows, last = [rows[i] for i in keep], last[keep]  # [B'', d]
+            # chain: the draft's own hidden state stands in for the target's
+            chunks = [Chunk(seqs[b].request_id, seqs[b].length + j + 1, 1, floor=seqs[b].draft_floor) for b in rows]
+            last = self._draft(chunks, [drafts[b][-1] for b in rows], last)
         return drafts, probs

@@ -49,6 +49,7 @@ class Sequence:
     max_tokens: int
     params: SamplingParams = SamplingParams()
     stop_token_ids: frozenset[int] = frozenset()
+    draft_tokens: int | None = None  # a cap on the deployment's K for this request (0: no drafts)
     output: list[int] = field(default_factory=list)  # generated tokens, the first one included
     length: int = 0  # target KV positions 0..length-1 are committed
     draft_len: int = 0  # draft entries below this position are valid
