@@ -10,7 +10,7 @@ import pytest
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError
-from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest, StreamChunk
+from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest, SpecStats, StreamChunk
 from baton.services.aggregated.engine import AggregatedConfig
 from baton.services.aggregated.service import close_service, open_service
 from baton.shared.bus import Bus, NatsServer
@@ -94,6 +94,24 @@ def test_other_draft_states_are_lossless_too(nats_url, reference, draft_state):
             return await client.request(subjects.GENERATE, GenerateRequest(token_ids=p, max_tokens=24),
                                         GenerateReply, timeout=300)
     assert asyncio.run(run()).token_ids == reference.greedy(p, 24)
+
+
+def test_draft_tokens_lowers_speculation_per_request_without_changing_tokens(nats_url, reference):
+    p = window_prompts()[2]
+    caps = [None, 0, 1]
+
+    async def run():
+        async with aggregated(nats_url) as (client, engine):
+            replies = await asyncio.gather(*(client.request(subjects.GENERATE, GenerateRequest(
+                token_ids=p, max_tokens=24, draft_tokens=cap), GenerateReply, timeout=300) for cap in caps))
+            await asyncio.sleep(0.1)
+            assert_all_free(engine)
+            return replies
+    default, zero, one = asyncio.run(run())
+    assert default.token_ids == zero.token_ids == one.token_ids == reference.greedy(p, 24)
+    assert zero.spec == SpecStats()
+    assert one.spec.drafted == one.spec.verify_steps > 0
+    assert default.spec.drafted == 3 * default.spec.verify_steps > 0
 
 
 def test_stream_equals_unary_and_stop_strings_apply(nats_url):

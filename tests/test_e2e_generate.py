@@ -8,7 +8,7 @@ import pytest
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError
-from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest, StreamChunk
+from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest, SpecStats, StreamChunk
 from baton.shared.bus import Bus
 from e2e_cluster import Reference, running_cluster, wait_all_free, window_prompts
 
@@ -40,6 +40,26 @@ def test_greedy_equals_transformers_concurrently(cluster, reference):
         assert reply.token_ids == want, reference.explain(p, reply.token_ids, want)
         assert reply.usage.prompt_tokens == len(p) and reply.usage.completion_tokens == len(want)
         assert reply.spec.verify_steps > 0 and reply.spec.accepted <= reply.spec.drafted
+    asyncio.run(wait_all_free(cluster.nats_url))
+
+
+def test_draft_tokens_lowers_speculation_per_request_without_changing_tokens(cluster, reference):
+    """The deployment drafts K = 3; requests batched together on decode ask for 0, 1, the default
+    and more than K (which counts as K): same greedy tokens, different speculation."""
+    p = window_prompts()[2]
+    caps = [None, 0, 1, 9]
+
+    async def run():
+        return await asyncio.gather(*(generate(cluster.nats_url, token_ids=p, max_tokens=32, draft_tokens=cap)
+                                      for cap in caps))
+    default, zero, one, above = asyncio.run(run())
+    want = reference.greedy(p, 32)
+    for cap, reply in zip(caps, (default, zero, one, above)):
+        assert reply.token_ids == want, (cap, reference.explain(p, reply.token_ids, want))
+    assert zero.spec == SpecStats()  # no speculation: every counter zero
+    assert one.spec.drafted == one.spec.verify_steps > 0
+    assert default.spec.drafted == 3 * default.spec.verify_steps > 0
+    assert above.spec.drafted == 3 * above.spec.verify_steps > 0
     asyncio.run(wait_all_free(cluster.nats_url))
 
 
@@ -84,6 +104,8 @@ def test_cancel_mid_stream_frees_everything(cluster):
     (msgpack.packb({"v": 1, "token_ids": [5, 999999], "max_tokens": 4}), "bad_request"),
     (msgpack.packb({"v": 1, "prompt": "hi", "max_tokens": 0}), "bad_request"),
     (msgpack.packb({"v": 1, "prompt": "hi", "max_tokens": 10**9}), "bad_request"),
+    (msgpack.packb({"v": 1, "prompt": "hi", "draft_tokens": 17}), "bad_request"),
+    (msgpack.packb({"v": 1, "prompt": "hi", "draft_tokens": -1}), "bad_request"),
     (msgpack.packb({"v": 1, "max_tokens": 4}), "bad_request"),
     (b"\xc1 not msgpack", "bad_request"),
     (msgpack.packb({"v": 2, "prompt": "hi"}), "bad_request"),

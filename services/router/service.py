@@ -135,7 +135,7 @@ class Router:
         if self.tokenizer.eos_token_id is not None:
             stop_ids.append(self.tokenizer.eos_token_id)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                  stop_token_ids=stop_ids)
+                                  stop_token_ids=stop_ids, draft_tokens=req.draft_tokens)
         flow = await self._open_flow(request_id, ids, req.max_tokens, sampling)
         flow.at["received"] = received
         text, n_tokens, ttft = TextStream(self.tokenizer, req.stop), 0, None
