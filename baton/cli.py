@@ -126,6 +126,10 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
+    # its own dest: `draft_tokens` is the worker config key, which `apply_config` would write here
+    gen.add_argument("--draft-tokens", type=int, dest="request_draft_tokens",
+                     help="at most this many drafts per step for this request (0: no speculation; "
+                          "more than the deployment's --draft-tokens counts as that)")
     gen.add_argument("--stream", action="store_true")
     gen.add_argument("--json", action="store_true", help="print the raw reply")
     gen.add_argument("--nats-url", default=None)

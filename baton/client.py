@@ -12,9 +12,14 @@ from baton.shared.bus import Bus
 from baton.up import client_options
 
 
+def build_request(args) -> GenerateRequest:
+    return GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                           top_p=args.top_p, seed=args.seed, draft_tokens=args.request_draft_tokens,
+                           stream=args.stream)
+
+
 async def generate(args, url: str) -> int:
-    request = GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, seed=args.seed, stream=args.stream)
+    request = build_request(args)
     try:
         bus = await Bus.connect(url, "baton-cli", **client_options(url))
     except BatonError as exc:

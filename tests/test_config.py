@@ -164,3 +164,19 @@ def _subparsers():
     ap = cli.parser()
     actions = [a for a in ap._actions if isinstance(a, argparse._SubParsersAction)]
     return list(actions[0].choices.values())
+
+
+@pytest.mark.parametrize("argv, want", [([], None), (["--draft-tokens", "0"], 0), (["--draft-tokens", "2"], 2)])
+def test_generate_draft_tokens_sets_the_request_not_the_worker_key(monkeypatch, argv, want):
+    """`baton generate --draft-tokens` is GenerateRequest.draft_tokens, not the worker's
+    `--draft-tokens` (whose 1..16 check would refuse 0 and whose default 3 would fill in None)."""
+    from baton import client
+    sent = []
+
+    async def fake_generate(args, url):
+        sent.append(client.build_request(args))
+        return 0
+    monkeypatch.setattr(client, "generate", fake_generate)
+    monkeypatch.setenv("BATON_NATS_URL", "nats://127.0.0.1:1")
+    assert cli.main(["generate", "hi", *argv]) == 0
+    assert sent[0].draft_tokens == want and sent[0].prompt == "hi"

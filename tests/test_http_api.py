@@ -22,14 +22,15 @@ def test_completion_prompt_forms():
 
 def test_openai_defaults_and_mapped_fields():
     r = api.parse_completion({"model": MODEL, "prompt": "hi"}, MODEL).request
-    assert (r.max_tokens, r.temperature, r.top_p, r.stream, r.stop) == (16, 1.0, 1.0, False, [])
+    assert (r.max_tokens, r.temperature, r.top_p, r.stream, r.stop, r.draft_tokens) == (16, 1.0, 1.0, False, [], None)
     call = api.parse_completion({"model": MODEL, "prompt": "hi", "max_tokens": 7, "temperature": 0, "top_p": 0.5,
                                  "seed": 3, "stop": "\n", "stream": True, "stream_options": {"include_usage": True},
                                  "stop_token_ids": [2], "return_token_ids": True, "user": "x", "n": 1,
-                                 "presence_penalty": 0, "logprobs": None, "unknown_extension": 1}, MODEL)
+                                 "draft_tokens": 0, "presence_penalty": 0, "logprobs": None,
+                                 "unknown_extension": 1}, MODEL)
     r = call.request
-    assert (r.max_tokens, r.temperature, r.top_p, r.seed, r.stop, r.stream, r.stop_token_ids) == \
-        (7, 0.0, 0.5, 3, ["\n"], True, [2])
+    assert (r.max_tokens, r.temperature, r.top_p, r.seed, r.stop, r.stream, r.stop_token_ids, r.draft_tokens) == \
+        (7, 0.0, 0.5, 3, ["\n"], True, [2], 0)
     assert call.include_usage and call.return_token_ids
     chat = api.parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, MODEL, 99)
     assert chat.request.max_tokens == 99 and chat.response_id.startswith("chatcmpl-")
@@ -63,6 +64,10 @@ def test_chat_template_is_a_play_script():
     ({"prompt": "x", "temperature": 3}, "temperature", 400),
     ({"prompt": "x", "top_p": 0}, "top_p", 400),
     ({"prompt": "x", "seed": -1}, "seed", 400),
+    ({"prompt": "x", "draft_tokens": -1}, "draft_tokens", 400),
+    ({"prompt": "x", "draft_tokens": 17}, "draft_tokens", 400),
+    ({"prompt": "x", "draft_tokens": 1.5}, "draft_tokens", 400),
+    ({"prompt": "x", "draft_tokens": True}, "draft_tokens", 400),
     ({"prompt": "x", "stop": [1]}, "stop", 400),
     ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", 400),
     ({"prompt": "x", "stream": "yes"}, "stream", 400),

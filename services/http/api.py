@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.public import GenerateReply, GenerateRequest, StreamChunk, Usage
+from baton.proto.public import MAX_DRAFT_TOKENS, GenerateReply, GenerateRequest, StreamChunk, Usage
 
 # Baton error code -> (HTTP status, OpenAI error type). busy is 429 so clients back off and retry
 # (the openai client does, honouring Retry-After); a missing router is 503.
@@ -131,8 +131,12 @@ def _common(body: dict, served_model: str, max_tokens: int) -> dict[str, Any]:
         raise bad(f"'top_p': must be in (0, 1], got {top_p}", "top_p")
     if max_tokens < 1:
         raise bad(f"'max_tokens': must be at least 1, got {max_tokens}", "max_tokens")
+    draft_tokens = _get(body, "draft_tokens", int)  # Baton's extension: a cap on speculation
+    if draft_tokens is not None and not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise bad(f"'draft_tokens': must be in 0..{MAX_DRAFT_TOKENS}, got {draft_tokens}", "draft_tokens")
     return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                stream=_get(body, "stream", bool, False), stop=stop, stop_token_ids=stop_ids)
+                stream=_get(body, "stream", bool, False), stop=stop, stop_token_ids=stop_ids,
+                draft_tokens=draft_tokens)
 
 
 def _options(body: dict) -> dict[str, Any]:
