@@ -55,7 +55,7 @@ def check_sampling(temperature: float, top_p: float) -> None:
         raise bad_request(f"field 'top_p': must be in (0, 1], got {top_p}")
 
 
-MAX_DRAFT_TOKENS = 16  # the bound SpecConfig puts on a deployment's --draft-tokens
+MAX_DRAFT_TOKENS = 16  # also the bound on a deployment's --draft-tokens (shared/config.py, SpecConfig)
 
 
 def check_draft_tokens(draft_tokens: int | None) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.proto.public import MAX_DRAFT_TOKENS
 from baton.shared.kv.store import KVStore
 from baton.shared.model.model import BatonLM
 
@@ -37,8 +38,8 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.draft_state not in DRAFT_STATE_MODES:
             raise ValueError(f"draft_state must be one of {DRAFT_STATE_MODES}, got {self.draft_state!r}")
-        if self.enabled and not 1 <= self.draft_tokens <= 16:
-            raise ValueError(f"draft_tokens must be in 1..16, got {self.draft_tokens}")
+        if self.enabled and not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
 
 
 @dataclass
