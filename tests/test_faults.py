@@ -2,9 +2,11 @@
 cancels at several stages. Each asserts that every request got a complete reply or an error code,
 that capacity on every surviving worker returns to full, and that later requests are exact."""
 import asyncio
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -45,12 +47,19 @@ def kill(cluster, role: str, index: int = 0) -> None:
     procs[index].wait()
 
 
+def migrations(cluster) -> list[int]:
+    """Tokens sent before each request that moved off a lost decode (the router's request log)."""
+    lines = [line for log in Path(cluster.log_dir).glob("router-*.log") for line in log.read_text().splitlines()]
+    return [json.loads(line[line.index("{"):])["migrated_after"] for line in lines
+            if '"migrated_after": ' in line and '"migrated_after": null' not in line]
+
+
 def assert_exact(reference, p, reply, n) -> None:
     assert isinstance(reply, GenerateReply), reply
     assert reply.token_ids == reference.greedy(p, n)[:len(reply.token_ids)] and reply.finish_reason in ("length", "stop")
 
 
-def test_decode_killed_mid_request(reference):
+def test_decode_killed_mid_request_continues_on_another(reference):
     with running_cluster(prefill=1, decode=2) as cluster:
         async def run():
             async with await Bus.connect(cluster.nats_url, "test") as bus:
@@ -61,13 +70,14 @@ def test_decode_killed_mid_request(reference):
                 kill(cluster, "decode", 0)
                 results = await asyncio.gather(*tasks)
                 elapsed = time.monotonic() - started
-                errors = [r for r in results if isinstance(r, BatonError)]
-                assert errors, "requests on the killed decode must fail"
-                assert all(e.code.value == "unavailable" for e in errors), errors
-                assert elapsed < LEASE_S + 10, f"clients waited {elapsed:.1f} s"
+                # the killed decode's requests continued on the other one, from what they had sent
                 for p, r in zip(prompts, results):
-                    if not isinstance(r, BatonError):
-                        assert_exact(reference, p, r, 400)
+                    assert_exact(reference, p, r, 400)
+                    assert len(r.token_ids) == 400 or r.finish_reason == "stop", r
+                moved = migrations(cluster)
+                assert moved and all(0 < n < 400 for n in moved), moved
+                print(f"moved after {moved} tokens; clients waited {elapsed:.1f} s after the kill")
+                assert elapsed < LEASE_S + 60, f"clients waited {elapsed:.1f} s"
                 later = prompt(50, 9)
                 assert_exact(reference, later, await outcome(bus, later, 20), 20)
                 # a restarted decode registers and takes traffic (no lasting "no responders")

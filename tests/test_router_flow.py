@@ -6,14 +6,14 @@ import pytest
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import SamplingParams, TokenChunk
 from baton.proto.public import SpecStats, Timing
-from baton.services.router.flow import AttemptLost, Flow, RouterTimeouts
+from baton.services.router.flow import AttemptLost, DecodeLost, Flow, RouterTimeouts, continued
 
 pytestmark = pytest.mark.unit
 LATE = BatonError(ErrorCode.INTERNAL, "transfer of r: deadline passed")
 
 
-def flow() -> Flow:
-    return Flow(None, None, None, RouterTimeouts(first_token_s=2, idle_s=2), "r", [1, 2], 4, SamplingParams())
+def flow(idle_s: float = 2) -> Flow:
+    return Flow(None, None, None, RouterTimeouts(first_token_s=2, idle_s=idle_s), "r", [1, 2], 4, SamplingParams())
 
 
 def chunk(seq: int, ids: list[int], finished: bool = False) -> TokenChunk:
@@ -51,7 +51,34 @@ def test_prefill_leaving_matters_only_until_decode_streams():
     f.worker_left("p", "lease expired")
     assert f.events.get_nowait()[0] == "prefill_error"
     f.worker_left("d", "lease expired")
-    assert f.events.get_nowait()[0] == "error"
+    assert f.events.get_nowait()[0] == "decode_lost"
+
+
+def test_decode_lost_after_the_first_token_lets_the_request_continue_elsewhere():
+    gone = BatonError(ErrorCode.UNAVAILABLE, "worker d left")
+    with pytest.raises(DecodeLost) as lost:
+        asyncio.run(relay(flow(), ("chunk", chunk(0, [5])), ("decode_lost", gone)))
+    assert lost.value.error is gone
+
+
+def test_decode_lost_before_the_first_token_is_a_plain_retry():
+    with pytest.raises(AttemptLost) as lost:
+        asyncio.run(relay(flow(), ("decode_lost", BatonError(ErrorCode.UNAVAILABLE, "worker d left"))))
+    assert type(lost.value) is AttemptLost
+
+
+def test_decode_silent_past_the_idle_timeout_mid_stream_is_decode_lost():
+    with pytest.raises(DecodeLost) as lost:
+        asyncio.run(relay(flow(idle_s=0.05), ("chunk", chunk(0, [5]))))
+    assert lost.value.error.code is ErrorCode.TIMEOUT
+
+
+def test_a_continuation_draws_fresh_randomness():
+    assert continued(SamplingParams(), 7) == SamplingParams()  # unseeded: nothing to change
+    seeded = SamplingParams(temperature=0.8, seed=42)
+    after = continued(seeded, 7)
+    assert after.seed != 42 and 0 <= after.seed < 2**64 and after.temperature == 0.8
+    assert after == continued(seeded, 7) and after.seed != continued(seeded, 8).seed
 
 
 def test_a_lost_chunk_is_an_error():

@@ -106,6 +106,7 @@ class Job:
         self.served_by = "aggregated"  # for the router's request log (Flow names its worker pair)
         self.prefill_done = None  # no separate prefill step to time
         self.at = Stamps()  # the router adds "received"; the engine has no hops to stamp
+        self.migrated_after = 0  # one process: a request never moves to other workers
         self.abort = ""  # set by cancel(); the loop reaps the job at the next turn
         self.done = False
         self._events: asyncio.Queue = asyncio.Queue()

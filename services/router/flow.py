@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from baton.proto import subjects
@@ -53,6 +53,20 @@ class AttemptLost(Exception):
         self.error = error
 
 
+class DecodeLost(AttemptLost):
+    """Decode was lost after tokens reached the client (its worker left, or it fell silent past
+    the idle timeout): the request may continue on another pair from its prompt plus the tokens
+    already sent, which a fresh prefill turns into the same state."""
+
+
+def continued(sampling: SamplingParams, sent: int) -> SamplingParams:
+    """Sampling for a continuation after `sent` tokens: a seeded request gets a seed of its own
+    for the rest, so the continuation does not replay the random draws of its first tokens."""
+    if sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=(sampling.seed * 0x9E3779B97F4A7C15 + sent) % (1 << 64))
+
+
 def plan_components(plan: dict) -> list[str]:
     """Names ("owner/kind") of the components a plan transfers, read from its plain form."""
     return [f'{p["src"]["ident"]["owner"]}/{p["src"]["ident"]["kind"]}' for p in plan["pairs"]]
@@ -72,6 +86,8 @@ class Flow:
         self.decode_id: str | None = None
         self.prefill_id: str | None = None
         self.outcome = Outcome()
+        self.cancelled = ""  # why the client cancelled, once it did
+        self.migrated_after = 0  # tokens sent before decode was lost and the request moved on
         self._tasks: list[asyncio.Task] = []
         self._released = False
         self._targeted = False  # prefill was told where to write (else it must be released)
@@ -80,6 +96,7 @@ class Flow:
         self._held: dict[str, int] = {}  # load this flow counts against workers in the directory
 
     def cancel(self, reason: str = "cancelled") -> None:
+        self.cancelled = reason  # also seen by an attempt that starts after this one
         self.events.put_nowait(("cancel", reason))
 
     def worker_left(self, worker_id: str, reason: str) -> None:
@@ -87,28 +104,40 @@ class Flow:
         was sent yet) now instead of at a timeout. Prefill matters only until decode streams."""
         error = BatonError(ErrorCode.UNAVAILABLE, f"request {self.request_id}: worker {worker_id} left ({reason})")
         if worker_id == self.decode_id:
-            self.events.put_nowait(("error", error))
+            self.events.put_nowait(("decode_lost", error))
         elif worker_id == self.prefill_id and not self._prefilled:
             self.events.put_nowait(("prefill_error", error))
 
     async def tokens(self) -> AsyncIterator[list[int]]:
-        """Yield token ids as decode produces them; `self.outcome` says how it ended. An attempt
-        that fails before its first token is retried once, on other workers where there are any,
-        with a fresh reservation and a fresh internal id."""
+        """Yield token ids as decode produces them; `self.outcome` says how it ended. One attempt
+        that fails is retried, on other workers where there are any, with a fresh reservation and
+        a fresh internal id: from the start if it failed before its first token, or, if decode
+        was lost mid-stream, as a continuation (prompt + tokens sent, the max_tokens left)."""
+        sent: list[int] = []
         try:
             for attempt in range(2):
                 try:
+                    if self.cancelled:
+                        self.outcome.finish_reason = "abort"
+                        return
                     await self._admit()
                     async for ids in self._relay():
+                        sent += ids
                         yield ids
                     return
                 except AttemptLost as lost:
-                    if attempt == 1:
+                    if attempt == 1 or len(sent) >= self.max_tokens:
                         raise lost.error
-                    log.warning("%s; retrying once on other workers", lost.error.message)
                     self._avoid = {self.prefill_id, self.decode_id} - {None}
                     await self._end_attempt("attempt lost")
                     self.attempt_id = f"{self.request_id[:56]}-retry1"
+                    if sent:  # decode lost mid-stream: continue after what the client has
+                        log.warning("%s; continuing on other workers after %d tokens", lost.error.message, len(sent))
+                        self.token_ids, self.max_tokens = self.token_ids + sent, self.max_tokens - len(sent)
+                        self.sampling = continued(self.sampling, len(sent))
+                        self.migrated_after = len(sent)
+                    else:
+                        log.warning("%s; retrying once on other workers", lost.error.message)
         except BatonError as exc:
             self.outcome.error = exc
         finally:
@@ -223,8 +252,9 @@ class Flow:
                 async with asyncio.timeout(max(remaining, 0.0)):  # unlike wait_for, no task per event
                     kind, value = await self.events.get()
             except TimeoutError:
-                raise BatonError(ErrorCode.TIMEOUT, f"request {self.request_id}: no token within "
-                                 f"{limit if remaining > 0 else self.timeouts.request_s:g} s") from None
+                error = BatonError(ErrorCode.TIMEOUT, f"request {self.request_id}: no token within "
+                                   f"{limit if remaining > 0 else self.timeouts.request_s:g} s")
+                raise DecodeLost(error) if got_first and remaining >= limit else error from None
             if kind == "cancel":
                 self.outcome.finish_reason = "abort"
                 return
@@ -235,8 +265,10 @@ class Flow:
                 log.warning("request %s: prefill reported %s after decode started; continuing",
                             self.request_id, value.code.value)
                 continue
-            if kind in ("error", "prefill_error"):
-                raise value if got_first else AttemptLost(value)
+            if kind == "decode_lost" or (kind in ("error", "prefill_error") and not got_first):
+                raise DecodeLost(value) if got_first else AttemptLost(value)
+            if kind == "error":
+                raise value
             if kind == "chunk":
                 if value.seq != expected_seq:
                     raise BatonError(ErrorCode.INTERNAL, f"request {self.request_id}: token chunk "
