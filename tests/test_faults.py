@@ -166,6 +166,30 @@ def test_sigterm_stops_every_service_cleanly(reference):
     assert isinstance(reply, BatonError) or reply.token_ids == reference.greedy(p, 60)[:len(reply.token_ids)]
 
 
+def test_sigterm_of_one_decode_loses_no_request(reference):
+    """A decode stopped with SIGTERM mid-generation (a rolling restart): it deregisters at once,
+    so the router moves its requests to the other decode; every reply is complete and exact,
+    and the stopped decode exits 0."""
+    with running_cluster(prefill=1, decode=2) as cluster:
+        async def run():
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
+                prompts = [prompt(40, s) for s in range(10, 14)]
+                tasks = [asyncio.create_task(outcome(bus, p, 300)) for p in prompts]
+                await asyncio.sleep(1.5)  # all four are decoding, spread over both decode workers
+                decode = next(proc for role, proc in cluster.children if role == "decode")
+                decode.send_signal(signal.SIGTERM)
+                code = await asyncio.get_running_loop().run_in_executor(None, decode.wait, 60)
+                return prompts, await asyncio.gather(*tasks), code
+        prompts, results, code = asyncio.run(run())
+        for p, r in zip(prompts, results):
+            assert_exact(reference, p, r, 300)
+            assert len(r.token_ids) == 300 or r.finish_reason == "stop", r
+        assert code == 0
+        moved = migrations(cluster)
+        print(f"moved after {moved} tokens")
+        assert moved, "the stopped decode's requests should have moved"
+
+
 @pytest.mark.parametrize("fault", ["fail=target/FULL", "drop=aux/AUX"])
 def test_failed_or_unnotified_transfer_ends_with_an_error_and_frees_slots(monkeypatch, fault):
     """A WRITE that fails, or whose notification never arrives (decode's transfer deadline, 3 s
