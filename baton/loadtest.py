@@ -3,7 +3,8 @@
     baton bench --nats-url URL --requests 64 --concurrency 1,2,4,8 --json out/bench.json --plot out/
     baton bench --rate 2.5 --duration 60 --input-len 64:512 --max-tokens 32:128
 
-Every request is a streaming `baton.v1.generate` (greedy unless --temperature), timed on the
+Every request is a streaming `baton.v1.generate` (greedy unless --temperature; --draft-tokens N
+caps speculation per request, 0 turns it off, to measure its effect on one deployment), timed on the
 client as its chunks arrive (`time.perf_counter`), so the numbers are what a client sees:
 
 - TTFT   request sent -> first chunk carrying tokens.
@@ -50,7 +51,7 @@ from typing import Any, Iterator, Sequence
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.public import GenerateRequest, StreamChunk
+from baton.proto.public import MAX_DRAFT_TOKENS, GenerateRequest, StreamChunk
 
 STAT_KEYS = ("mean", "p50", "p90", "p99")
 
@@ -278,6 +279,7 @@ class BenchConfig:
     warmup: int = 2  # requests per level before measuring (not counted)
     temperature: float = 0.0
     top_p: float = 1.0
+    draft_tokens: int | None = None  # each request's cap on speculation (None: the deployment's K)
     seed: int = 0  # workload seed; sampled requests get seed + index
     stop: list[str] = field(default_factory=list)
     slo_ttft_ms: float | None = None
@@ -303,6 +305,8 @@ class BenchConfig:
             raise ValueError("with --rate, --concurrency is one value (a cap on requests in flight)")
         if self.rate and any(r <= 0 for r in self.rate):
             raise ValueError(f"--rate values must be > 0, got {self.rate}")
+        if self.draft_tokens is not None and not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--draft-tokens must be in 0..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
         LengthSpec.parse(self.input_len), LengthSpec.parse(self.max_tokens)
 
 
@@ -343,7 +347,7 @@ async def one_request(bus, prompt: Prompt, index: int, t0: float, config: BenchC
     seed = None if config.temperature == 0 else config.seed + index
     request = GenerateRequest(prompt=prompt.text, token_ids=prompt.token_ids, max_tokens=prompt.max_tokens,
                               temperature=config.temperature, top_p=config.top_p, seed=seed, stream=True,
-                              stop=list(config.stop))
+                              stop=list(config.stop), draft_tokens=config.draft_tokens)
     record = RequestRecord(index=index, sent=time.perf_counter() - t0, prompt_tokens=prompt.size)
     try:
         async with bus.stream_request(subjects.GENERATE, request, StreamChunk,
@@ -478,6 +482,7 @@ def format_report(result: dict) -> str:
     head = (f"baton bench  {cfg['nats_url']}  input {cfg['input_len']}{' (file)' if cfg['prompts_file'] else ''} "
             f"tokens, max_tokens {cfg['max_tokens']}, "
             + ("greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']:g}")
+            + ("" if cfg.get("draft_tokens") is None else f", draft_tokens {cfg['draft_tokens']}")
             + f", warm-up {cfg['warmup']}")
     lines.append(head)
     for run in result["runs"]:
@@ -647,6 +652,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--model", type=Path, default=None, help="tokenizer for the held-out prompts (default: baton-tiny)")
     w.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     w.add_argument("--top-p", type=float, default=1.0)
+    w.add_argument("--draft-tokens", type=int, default=None, dest="request_draft_tokens",
+                   help="each request's cap on speculation (0: off; default: the deployment's k)")
     w.add_argument("--seed", type=int, default=0, help="workload seed (prompt choice, arrivals, sampling seeds)")
     w.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     o = parser.add_argument_group("report")
@@ -669,7 +676,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         nats_url=nats_url, requests=requests, concurrency=args.concurrency, rate=args.rate,
         duration_s=args.duration, input_len=args.input_len, max_tokens=args.max_tokens,
         prompts_file=args.prompts_file, model=args.model, warmup=args.warmup, temperature=args.temperature,
-        top_p=args.top_p, seed=args.seed, stop=list(args.stop), slo_ttft_ms=args.slo_ttft_ms,
+        top_p=args.top_p, draft_tokens=args.request_draft_tokens, seed=args.seed, stop=list(args.stop),
+        slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms, timeout_s=args.timeout, progress=not args.no_progress, label=args.label)
 
 

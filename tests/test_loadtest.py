@@ -1,6 +1,7 @@
 """The load harness's statistics and reporting, on synthetic streams of timestamps with known
 answers (no processes)."""
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -150,7 +151,11 @@ def test_command_line_options_map_to_the_config():
                               "--input-len", "16:64", "--max-tokens", "4,8", "--slo-ttft-ms", "200"])
     config = loadtest.config_from_args(args)
     assert config.concurrency == [1, 2, 8] and config.requests == 5 and config.input_len == "16:64"
-    assert config.max_tokens == "4,8" and config.slo_ttft_ms == 200
+    assert config.max_tokens == "4,8" and config.slo_ttft_ms == 200 and config.draft_tokens is None
+    capped = loadtest.config_from_args(parser.parse_args(["--nats-url", "x", "--draft-tokens", "0"]))
+    assert capped.draft_tokens == 0
+    with pytest.raises(ValueError, match="--draft-tokens"):
+        dataclasses.replace(capped, draft_tokens=17).validate()
     duration_only = loadtest.config_from_args(parser.parse_args(["--nats-url", "x", "--duration", "3"]))
     assert duration_only.requests is None and duration_only.duration_s == 3
     with pytest.raises(SystemExit):

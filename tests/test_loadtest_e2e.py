@@ -65,3 +65,15 @@ def test_poisson_arrivals_with_a_duration(tmp_path):
     sends = [r["sent"] for r in run["records"]]
     assert run["rate"] == 4.0 and run["summary"]["errors"] == {}
     assert 1 <= len(sends) <= 20 and max(sends) <= 1.5 + 0.5  # nothing sent after the duration
+
+
+def test_draft_tokens_zero_turns_speculation_off_for_the_bench_requests(tmp_path):
+    with NatsServer(jetstream=False) as server:
+        with launch.running(server.url, ["--threads", "1", "--num-slots", "16", "--num-pages", "512"]):
+            config = loadtest.BenchConfig(nats_url=server.url, requests=3, concurrency=[1], input_len="16",
+                                          max_tokens="8", warmup=0, progress=False, draft_tokens=0)
+            result = asyncio.run(loadtest.run_bench(config))
+    s = result["runs"][0]["summary"]
+    assert s["completed"] == 3 and s["output_tokens"] == 24
+    assert s["spec"] == {"verify_steps": 0, "drafted": 0, "accepted": 0}
+    assert "draft_tokens 0" in loadtest.format_report(result)
