@@ -52,6 +52,13 @@ class Bus:
             if tls_cert_file:
                 tls.load_cert_chain(tls_cert_file, tls_key_file)
         nc = nats.NATS()
+        tls_error: ssl.SSLError | None = None  # a refused handshake may end as a plain reset after it
+
+        async def on_error(exc: Exception) -> None:
+            nonlocal tls_error
+            if isinstance(exc, ssl.SSLError):
+                tls_error = exc
+            await _log_error(exc)
 
         async def disconnected() -> None:
             if not nc.is_closed:
@@ -64,13 +71,13 @@ class Bus:
             servers=url, name=name, user=user, password=password, token=token,
             user_credentials=creds_file, tls=tls, connect_timeout=min(connect_timeout_s, 2.0),
             reconnect_time_wait=reconnect_wait_s, max_reconnect_attempts=max_reconnect_attempts,
-            drain_timeout=drain_timeout_s, error_cb=_log_error, disconnected_cb=disconnected,
+            drain_timeout=drain_timeout_s, error_cb=on_error, disconnected_cb=disconnected,
             reconnected_cb=reconnected, **({"inbox_prefix": inbox_prefix} if inbox_prefix else {}))
         try:
             await asyncio.wait_for(nc.connect(**options), connect_timeout_s)
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
             await nc.close()
-            reason = nc.last_error or exc
+            reason = tls_error or nc.last_error or exc  # a TLS refusal says more than the reset after it
             raise BatonError(ErrorCode.UNAVAILABLE, f"cannot connect to NATS at {url} within "
                              f"{connect_timeout_s:g} s: {type(reason).__name__} {reason}".rstrip()) from None
         return cls(nc, limits)
