@@ -265,10 +265,10 @@ class Flow:
                 log.warning("request %s: prefill reported %s after decode started; continuing",
                             self.request_id, value.code.value)
                 continue
-            if kind == "decode_lost" or (kind in ("error", "prefill_error") and not got_first):
-                raise DecodeLost(value) if got_first else AttemptLost(value)
-            if kind == "error":
-                raise value
+            if kind == "decode_lost" and got_first:
+                raise DecodeLost(value)
+            if kind in ("error", "prefill_error", "decode_lost"):
+                raise value if got_first else AttemptLost(value)
             if kind == "chunk":
                 if value.seq != expected_seq:
                     raise BatonError(ErrorCode.INTERNAL, f"request {self.request_id}: token chunk "
