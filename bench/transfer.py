@@ -159,13 +159,18 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
+def spans(descriptors: list[Descriptor], local: dict, remote: dict) -> list[tuple[int, int, int]]:
+    """(source address, destination address, bytes) of each descriptor; `local`/`remote` map a
+    region key to its base address on each side."""
+    return [(local[d.component_key, d.layer_index] + d.src_offset,
+             remote[d.component_key, d.layer_index] + d.dst_offset, d.nbytes) for d in descriptors]
+
+
 def cma_seconds(pid: int, descriptors: list[Descriptor], local: dict, remote: dict) -> float:
     """Time to copy `descriptors` into process `pid` with process_vm_writev, as UCX's cma does."""
-    n = len(descriptors)
-    src = (_IoVec * n)(*[_IoVec(local[d.component_key, d.layer_index] + d.src_offset, d.nbytes)
-                         for d in descriptors])
-    dst = (_IoVec * n)(*[_IoVec(remote[d.component_key, d.layer_index] + d.dst_offset, d.nbytes)
-                         for d in descriptors])
+    n, copies = len(descriptors), spans(descriptors, local, remote)
+    src = (_IoVec * n)(*[_IoVec(a, size) for a, _, size in copies])
+    dst = (_IoVec * n)(*[_IoVec(b, size) for _, b, size in copies])
     writev = ctypes.CDLL(None, use_errno=True).process_vm_writev
     size = ctypes.sizeof(_IoVec)
     t0 = time.monotonic()
@@ -191,11 +196,10 @@ class RawNixl:
         self.agent.make_connection(self.peer)
 
     def seconds(self, descriptors: list[Descriptor], local: dict, remote: dict) -> float:
-        def rows(base: dict, offset: str) -> np.ndarray:
-            return np.array([(base[d.component_key, d.layer_index] + getattr(d, offset), d.nbytes, 0)
-                             for d in descriptors], dtype=np.uint64)  # [n, 3]: addr, bytes, device
-        src = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local, "src_offset"), "DRAM")
-        dst = self.agent.prep_xfer_dlist(self.peer, rows(remote, "dst_offset"), "DRAM")
+        copies = np.array(spans(descriptors, local, remote), dtype=np.uint64)  # [n, 3]: src, dst, bytes
+        zeros = np.zeros(len(copies), dtype=np.uint64)  # device id
+        src = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.stack([copies[:, 0], copies[:, 2], zeros], 1), "DRAM")
+        dst = self.agent.prep_xfer_dlist(self.peer, np.stack([copies[:, 1], copies[:, 2], zeros], 1), "DRAM")
         index = np.arange(len(descriptors), dtype=np.int32)
         t0 = time.monotonic()
         handle = self.agent.make_prepped_xfer("WRITE", src, index, dst, index)
@@ -215,10 +219,10 @@ class RawNixl:
 
 async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, tag: int) -> dict:
     """Each iteration times, back to back so they see the same machine load: `--inflight` requests'
-    `write()`s started together, until the last one returns and arrives; the raw cma copy of their
-    descriptors; a one-thread memcpy of as many bytes. The multi-threaded torch copies run
-    afterwards: torch's OpenMP workers spin after a parallel op and would steal a core from the
-    next WRITE."""
+    `write()`s started together, until the last one returns and arrives; their descriptors as one
+    bare NIXL WRITE and as raw cma copies; a one-thread memcpy of as many bytes. The
+    multi-threaded torch copies run afterwards: torch's OpenMP workers spin after a parallel op
+    and would steal a core from the next WRITE."""
     times: dict[str, list[float]] = {k: [] for k in ("write", "arrive", "nixl", "cma", "copy1")}
     counts = []  # descriptors per request (churn: each iteration has its own page tables)
     for i in range(args.warmup + args.iters):
