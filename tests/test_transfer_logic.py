@@ -42,20 +42,20 @@ def test_item_rows_index_every_item_in_region_order():
     assert set(rows[:8, 1]) == {256} and set(rows[8:, 1]) == {64}
 
 
-def test_whole_item_descriptors_resolve_to_prepared_indices_aux_last():
+def test_whole_item_descriptors_resolve_to_prepared_indices_aux_first():
     local, remote = table("me"), table("peer", base=BASE << 1)
     batches = resolve([aux(), Descriptor("full", 1, 512, 0, 512), Descriptor("full", 0, 256, 768, 256)],
                       local, remote)
-    assert [b.component_key for b in batches] == ["full", AUX_KEY]
-    full = batches[0]
+    assert [b.component_key for b in batches] == [AUX_KEY, "full"]
+    full = batches[1]
     assert full.by_item and full.nbytes == 768
     assert list(full.local) == [6, 7, 1] and list(full.remote) == [4, 5, 3]
-    assert list(batches[1].local) == [8] and list(batches[1].remote) == [9]
+    assert list(batches[0].local) == [8] and list(batches[0].remote) == [9]
 
 
 def test_partial_items_go_as_byte_ranges_next_to_the_whole_items():
     local, remote = table("me"), table("peer", base=BASE << 1)
-    items, ranges, _ = resolve([Descriptor("full", 0, 128, 384, 256),  # cuts through items
+    _, items, ranges = resolve([Descriptor("full", 0, 128, 384, 256),  # cuts through items
                                 Descriptor("full", 1, 0, 256, 600),  # 2 whole items + 88 B tail
                                 aux()], local, remote)
     assert items.by_item and list(items.local) == [4, 5] and list(items.remote) == [5, 6]

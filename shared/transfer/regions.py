@@ -78,6 +78,7 @@ class RegionTable:
         self.regions = list(regions)
         self._by_key: dict[tuple[str, int], Region] = {}
         self._first_item: dict[tuple[str, int], int] = {}
+        self._columns: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # layer_columns' cache
         count = 0
         for r in self.regions:
             _check_region(r, owner)
@@ -103,13 +104,35 @@ class RegionTable:
             raise DescriptorError(f"{self.owner} has no region for component {key[0]!r} layer {key[1]}")
         return region
 
-    def first_item(self, key: tuple[str, int]) -> int:
-        return self._first_item[key]
+    def layer_columns(self, component_key: str, layers: np.ndarray) -> np.ndarray:
+        """[n, 4] int64 (item_bytes, addr, nbytes, first item) of the component's region of each
+        of `layers` [n]; DescriptorError naming the first layer that has no region."""
+        if component_key not in self._columns:
+            self._columns[component_key] = self._component_columns(component_key)
+        index, columns = self._columns[component_key]
+        known = (layers >= 0) & (layers < len(index))
+        rows = np.full(len(layers), -1, dtype=np.int64)
+        rows[known] = index[layers[known]]
+        if (rows < 0).any():
+            self.region((component_key, int(layers[np.argmax(rows < 0)])))  # raises
+        return columns[rows]
+
+    def _component_columns(self, component_key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(row of each layer index, -1 where none [max layer + 1]; the rows [n, 4])."""
+        mine = [r for r in self.regions if r.component_key == component_key]
+        index = np.full(max((r.layer_index for r in mine), default=-1) + 1, -1, dtype=np.int64)
+        for row, r in enumerate(mine):
+            index[r.layer_index] = row
+        columns = np.array([(r.item_bytes, r.addr, r.nbytes, self._first_item[r.key]) for r in mine],
+                           dtype=np.int64).reshape(-1, 4)
+        return index, columns
 
 
 def resolve(descriptors: list[Descriptor], local: RegionTable, remote: RegionTable) -> list[Batch]:
-    """Group descriptors by component (aux last) and resolve them to item indices and byte ranges:
-    one or two batches per component, each sent as one WRITE.
+    """Group descriptors by component (aux first) and resolve them to item indices and byte ranges:
+    one or two batches per component, each sent as one WRITE. The aux WRITE goes first: it is
+    tiny, so its notification travels while the bulk is copied and the last WRITE's completion is
+    the request's (the receiver waits for every component's notification, in any order).
 
     Raises DescriptorError naming the offending descriptor: unknown region on either side, item
     sizes that differ between the sides, a range outside a region, or no aux row."""
@@ -121,7 +144,7 @@ def resolve(descriptors: list[Descriptor], local: RegionTable, remote: RegionTab
     aux = groups.pop(AUX_KEY)
     if len(aux) != 1 or aux[0].nbytes < TAG_BYTES:
         raise DescriptorError(f"transfer needs exactly one aux descriptor of >= {TAG_BYTES} bytes")
-    groups[AUX_KEY] = aux
+    groups = {AUX_KEY: aux, **groups}
     return [b for key, group in groups.items() for b in _resolve_group(key, group, local, remote)]
 
 
@@ -132,11 +155,14 @@ def _resolve_group(key: str, group: list[Descriptor], local: RegionTable,
     index and its tail as a range; any other descriptor is one range. Vectorised: a large
     request has thousands of descriptors (layers x pages)."""
     d = np.array([(x.layer_index, x.src_offset, x.dst_offset, x.nbytes) for x in group], dtype=np.int64)
-    layers, at = np.unique(d[:, 0], return_inverse=True)
-    info = np.array([_layer_info(key, int(layer), local, remote) for layer in layers], dtype=np.int64)
-    # info columns: item_bytes, src addr, src nbytes, src first item, dst addr, dst nbytes, dst first item
-    ib, src_addr, src_size, src_first, dst_addr, dst_size, dst_first = info[at].T
     layer, src_off, dst_off, nbytes = d.T
+    ib, src_addr, src_size, src_first = local.layer_columns(key, layer).T
+    dst_ib, dst_addr, dst_size, dst_first = remote.layer_columns(key, layer).T
+    if (ib != dst_ib).any():
+        i = int(np.argmax(ib != dst_ib))
+        raise DescriptorError(f"component {key!r} layer {layer[i]}: item sizes differ (local "
+                              f"{ib[i]} B, remote {dst_ib[i]} B), so the two descriptor lists "
+                              "would not match")
     bad = (nbytes <= 0) | (src_off < 0) | (dst_off < 0) | (src_off + nbytes > src_size) \
         | (dst_off + nbytes > dst_size)
     if bad.any():
@@ -160,16 +186,6 @@ def _resolve_group(key: str, group: list[Descriptor], local: RegionTable,
                              _rows((src_addr + src_off)[r] + start, size),
                              _rows((dst_addr + dst_off)[r] + start, size)))
     return batches
-
-
-def _layer_info(key: str, layer: int, local: RegionTable, remote: RegionTable) -> tuple[int, ...]:
-    src, dst = local.region((key, layer)), remote.region((key, layer))
-    if src.item_bytes != dst.item_bytes:
-        raise DescriptorError(f"component {key!r} layer {layer}: item sizes differ (local "
-                              f"{src.item_bytes} B, remote {dst.item_bytes} B), so the two "
-                              "descriptor lists would not match")
-    return (src.item_bytes, src.addr, src.nbytes, local.first_item(src.key),
-            dst.addr, dst.nbytes, remote.first_item(dst.key))
 
 
 def _rows(addrs: np.ndarray, sizes) -> np.ndarray:
