@@ -15,13 +15,17 @@ the page ids, on each side:
 `--inflight N` starts N requests' `write()`s together, on disjoint pages (one churned pool for all of
 them), as a prefill worker under load does: their fixed costs overlap with each other's copies.
 The byte columns then count all N payloads (S below is N x the payload).
-Pools are on 2 MiB huge pages, as the KV store allocates them (`--small-pages`: torch's own 4 KiB
+Every timed copy starts after a sweep over a buffer twice the size of the last-level cache, so
+none of them finds the bytes that the one before it moved still cached (a 16 MiB payload fits in a
+32 MiB L3). Pools are on 2 MiB huge pages, as the KV store allocates them (`--small-pages`: torch's own 4 KiB
 pages, to see what huge pages are worth); the copy baselines always are. Columns (GB/s = 1e9 B/s, medians):
   write    S / time of `write()` (post to every WRITE DONE; the last one, with --inflight)
   arrive   S / time from `write()` start to the receiver's (last) ARRIVED event
   nixl     the same descriptors (all requests' together) as one WRITE by a second, bare NIXL
            agent in this process: prepared lists, post, poll to DONE on one thread, no
            notification, no Baton: NIXL's own ceiling for this shape
+  nixl/pg  the same bytes as `nixl`, one descriptor per page (how Baton sent runs of pages until
+           it sent each run as one byte range): what a descriptor costs
   cma      the same descriptors copied by raw process_vm_writev calls (1024 iovecs per call):
            the ceiling of UCX's cma transport for this shape, without NIXL or Baton
   copy1    contiguous copy of S bytes in this process on one thread (`np.copyto`, a memcpy; a
@@ -55,7 +59,8 @@ AUX_BYTES = 4096
 SIZES = "64K,256K,1M,4M,16M,64M,256M"
 SHAPES = ("random", "churn", "contiguous")
 CHURN_ROUNDS = 8
-COLUMNS = {"write": "write_gbps", "arrive": "arrive_gbps", "nixl": "nixl_gbps", "cma": "cma_gbps",
+COLUMNS = {"write": "write_gbps", "arrive": "arrive_gbps", "nixl": "nixl_gbps", "nixl/pg": "nixl_pages_gbps",
+           "cma": "cma_gbps",
            "copy1": "copy1_gbps", "copyN": "copyn_gbps", "ratio": "ratio", "ratioN": "ratio_n"}
 
 
@@ -155,6 +160,30 @@ def churned(pages: int, need: int, rng) -> IdPool:
     return pool
 
 
+def per_page(descriptors: list[Descriptor], page: int) -> list[Descriptor]:
+    """The same bytes as one descriptor per page (and one for a shorter tail)."""
+    return [Descriptor(d.component_key, d.layer_index, d.src_offset + at, d.dst_offset + at, min(page, d.nbytes - at))
+            for d in descriptors for at in range(0, d.nbytes, page)]
+
+
+def llc_bytes() -> int:
+    """The last-level cache's size from sysfs (32 MiB if it cannot be read)."""
+    caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"))
+    sizes = [parse_size(f.read_text().strip()) for f in caches if f.read_text().strip()[-1:] in "KMG"]
+    return max(sizes, default=32 << 20)
+
+
+class CacheSweep:
+    """Evicts the caches before a timed copy: writes one byte per 64 B line of a buffer twice the
+    size of the last-level cache."""
+
+    def __init__(self):
+        self.buffer = np.zeros(2 * llc_bytes(), np.uint8)
+
+    def __call__(self) -> None:
+        self.buffer[::64] += 1
+
+
 class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
@@ -223,7 +252,7 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
     bare NIXL WRITE and as raw cma copies; a one-thread memcpy of as many bytes. The
     multi-threaded torch copies run afterwards: torch's OpenMP workers spin after a parallel op
     and would steal a core from the next WRITE."""
-    times: dict[str, list[float]] = {k: [] for k in ("write", "arrive", "nixl", "cma", "copy1")}
+    times: dict[str, list[float]] = {k: [] for k in ("write", "arrive", "nixl", "nixl_pages", "cma", "copy1")}
     counts = []  # descriptors per request (churn: each iteration has its own page tables)
     for i in range(args.warmup + args.iters):
         requests = plan(payload, args.layers, args.pages, args.page_kib << 10, rng, args.shape, args.inflight)
@@ -237,6 +266,7 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
         tag = tags[-1]
         conn.send(("expect", [(t, r[-1].dst_offset) for t, r in zip(tags, requests)], [KV]))
         assert conn.recv() == "ok"
+        args.sweep()
         t0 = time.monotonic()
         results = await asyncio.gather(*(agent.write("bench-decode", r, t, 30.0) for t, r in zip(tags, requests)))
         t1 = time.monotonic()
@@ -245,14 +275,18 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
         kinds, arrived = conn.recv()
         assert all(r.ok for r in results) and kinds == [EventKind.ARRIVED.value], (results, kinds)
         every = [d for r in requests for d in r]
-        sample = {"write": t1 - t0, "arrive": arrived - t0,
-                  "nixl": args.raw.seconds(every, args.local, args.remote),
-                  "cma": cma_seconds(args.receiver_pid, every, args.local, args.remote),
-                  "copy1": timed(np.copyto, dst1, src1)}
+        pages = per_page(every, args.page_kib << 10)
+        sample = {"write": t1 - t0, "arrive": arrived - t0}
+        for key, measured in (("nixl", lambda: args.raw.seconds(every, args.local, args.remote)),
+                              ("nixl_pages", lambda: args.raw.seconds(pages, args.local, args.remote)),
+                              ("cma", lambda: cma_seconds(args.receiver_pid, every, args.local, args.remote)),
+                              ("copy1", lambda: timed(np.copyto, dst1, src1))):
+            args.sweep()
+            sample[key] = measured()
         if i >= args.warmup:
             for k, v in sample.items():
                 times[k].append(v)
-    times["copyn"] = [timed(dst.copy_, src) for _ in range(args.warmup + args.iters)][args.warmup:]
+    times["copyn"] = [(args.sweep(), timed(dst.copy_, src))[1] for _ in range(args.warmup + args.iters)][args.warmup:]
     for r in requests:  # the last iteration's bytes arrived where they should
         d = r[-2]
         conn.send(("read", d.component_key, d.layer_index, d.dst_offset, d.nbytes))
@@ -323,6 +357,7 @@ def main() -> None:
     args.receiver_pid = child.pid
     pools = make_pools(args.layers, args.pages, page, fill=True, huge=not args.small_pages, aux_rows=args.inflight)
     args.torch_threads = torch.get_num_threads()
+    args.sweep = CacheSweep()
     print(f"pages {args.shape}, {args.page_kib} KiB, {'4 KiB' if args.small_pages else '2 MiB'} memory pages, "
           f"{args.inflight} request(s) in flight, "
           f"torch threads {args.torch_threads}, UCX_TLS={os.environ.get('UCX_TLS', '(default)')}")

@@ -29,3 +29,4 @@ def test_transfer_bench_runs_with_requests_in_flight(tmp_path, shape):
     for row in report["rows"]:
         assert row["inflight"] == 3
         assert row["write_gbps"] > 0 and row["nixl_gbps"] > 0 and row["copy1_gbps"] > 0
+        assert row["nixl_pages_gbps"] > 0
