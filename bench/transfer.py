@@ -24,8 +24,8 @@ pages, to see what huge pages are worth); the copy baselines always are. Columns
   nixl     the same descriptors (all requests' together) as one WRITE by a second, bare NIXL
            agent in this process: prepared lists, post, poll to DONE on one thread, no
            notification, no Baton: NIXL's own ceiling for this shape
-  nixl/pg  the same bytes as `nixl`, one descriptor per page (how Baton sent runs of pages until
-           it sent each run as one byte range): what a descriptor costs
+  nixl/pg  the same bytes as `nixl`, one descriptor per page (as Baton's prepared per-item lists
+           send whole pages): what a descriptor costs
   cma      the same descriptors copied by raw process_vm_writev calls (1024 iovecs per call):
            the ceiling of UCX's cma transport for this shape, without NIXL or Baton
   copy1    contiguous copy of S bytes in this process on one thread (`np.copyto`, a memcpy; a
@@ -168,9 +168,8 @@ def per_page(descriptors: list[Descriptor], page: int) -> list[Descriptor]:
 
 def llc_bytes() -> int:
     """The last-level cache's size from sysfs (32 MiB if it cannot be read)."""
-    caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"))
-    sizes = [parse_size(f.read_text().strip()) for f in caches if f.read_text().strip()[-1:] in "KMG"]
-    return max(sizes, default=32 << 20)
+    texts = [f.read_text().strip() for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")]
+    return max((parse_size(t) for t in texts if t[:-1].isdigit() and t[-1] in "KMG"), default=32 << 20)
 
 
 class CacheSweep:
@@ -252,7 +251,7 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
     bare NIXL WRITE and as raw cma copies; a one-thread memcpy of as many bytes. The
     multi-threaded torch copies run afterwards: torch's OpenMP workers spin after a parallel op
     and would steal a core from the next WRITE."""
-    times: dict[str, list[float]] = {k: [] for k in ("write", "arrive", "nixl", "nixl_pages", "cma", "copy1")}
+    times: dict[str, list[float]] = {k: [] for k in ("write", "arrive", "nixl", "nixl_pages", "cma", "copy1", "copyn")}
     counts = []  # descriptors per request (churn: each iteration has its own page tables)
     for i in range(args.warmup + args.iters):
         requests = plan(payload, args.layers, args.pages, args.page_kib << 10, rng, args.shape, args.inflight)
@@ -286,7 +285,11 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
         if i >= args.warmup:
             for k, v in sample.items():
                 times[k].append(v)
-    times["copyn"] = [(args.sweep(), timed(dst.copy_, src))[1] for _ in range(args.warmup + args.iters)][args.warmup:]
+    for i in range(args.warmup + args.iters):
+        args.sweep()
+        copyn = timed(dst.copy_, src)
+        if i >= args.warmup:
+            times["copyn"].append(copyn)
     for r in requests:  # the last iteration's bytes arrived where they should
         d = r[-2]
         conn.send(("read", d.component_key, d.layer_index, d.dst_offset, d.nbytes))
