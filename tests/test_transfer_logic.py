@@ -2,11 +2,15 @@
 the receiver's arrival/release rules (no NIXL, no processes)."""
 from __future__ import annotations
 
+import queue
+import threading
+
 import numpy as np
 import pytest
 
 from baton.shared.transfer import (AUX_KEY, ArrivalEvent, ArrivalTracker, Descriptor,
                                    DescriptorError, EventKind, Faults, Region, TransferMetrics)
+from baton.shared.transfer.nixl_thread import _Inbox
 from baton.shared.transfer.notices import Kind, Notice, decode
 from baton.shared.transfer.regions import RegionTable, resolve, write_tag
 
@@ -191,3 +195,25 @@ def test_unknown_tags_and_bad_expectations(caplog):
         r.tracker.expect(6, "p", ["full"], 4 * 64, 1.0)
     with pytest.raises(ValueError, match="u64"):
         r.tracker.expect(-1, "p", ["full"], 0, 1.0)
+
+
+def test_nixl_thread_inbox_is_fifo_times_out_and_wakes_a_waiting_get():
+    inbox = _Inbox()
+    try:
+        with pytest.raises(queue.Empty):
+            inbox.get(0.0)
+        with pytest.raises(queue.Empty):
+            inbox.get(0.001)
+        for i in range(3):
+            inbox.put(i)
+        assert [inbox.get(0.0) for _ in range(3)] == [0, 1, 2]
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(inbox.get(30.0)))
+        waiter.start()
+        inbox.put("late")  # before or while the waiter sleeps in select(): either way it returns it
+        waiter.join(30.0)
+        assert got == ["late"]
+        with pytest.raises(queue.Empty):  # nothing left; a stale wake-up only ends a wait early
+            inbox.get(0.001)
+    finally:
+        inbox.close()

@@ -10,8 +10,9 @@ Progress: NIXL's own progress thread makes UCX progress, paced (`_paced_config`)
 pins its delay to 0, a poll() loop that burns a whole core per agent (on 2 cores that halved
 transfer bandwidth); with PROGRESS_THREAD_DELAY_US it sleeps on the UCX workers' event fds and
 wakes when traffic arrives. (Driving progress from this thread instead, by calling
-`get_new_notifs` every 0.1 ms while a WRITE was due, left about one request in a thousand with
-WRITEs that never completed; paced, none in 9,000: bench/soak.py.) This thread, between calls,
+`get_new_notifs` every 0.1 ms while a WRITE was due, once seemed to leave about one request in a
+thousand with WRITEs that never completed. Those were most likely the lost wake-ups `_Inbox`
+fixes, which tiny waits made more frequent; not re-measured.) This thread, between calls,
 (1) collects notifications with `get_new_notifs` every PROGRESS_S, or every EXPECTING_PROGRESS_S while
 `expecting()` says a WRITE to us is due (a receiver waiting for a request's state), and hands them
 to the sink (`set_sink`); (2) checks the state of posted WRITEs (`post`), from WATCH_FIRST_S
@@ -25,8 +26,10 @@ import asyncio
 import logging
 import os
 import queue
+import select
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +84,7 @@ def _paced_config(base: type) -> type:
 class NixlThread:
     def __init__(self, name: str):
         self.expecting: Callable[[], bool] = lambda: False  # read on the NIXL thread: must be cheap and safe
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls = _Inbox()
         self._held: Notifications = {}  # collected, not yet handed to a sink (NIXL thread only)
         self._sink: Callable[[Notifications], None] | None = None
         self._watched: list[_Watch] = []  # NIXL thread only
@@ -125,6 +128,7 @@ class NixlThread:
     def close(self) -> None:
         self._calls.put(None)
         self._thread.join()
+        self._calls.close()
 
     def _submit(self, fn: Callable[..., Any], args: tuple) -> Future:
         future: Future = Future()
@@ -195,6 +199,39 @@ class NixlThread:
                 self._sink(held)
             except Exception as e:  # e.g. the event loop is closed: nobody is listening any more
                 log.error("dropped notifications from %s: %s", sorted(held), e)
+
+
+class _Inbox:
+    """The calls for the NIXL thread, FIFO. A put wakes the waiting thread through an eventfd and
+    select(). (queue.SimpleQueue.get(timeout=...) was used before: in these processes, with NIXL's
+    and UCX's threads running, a get asked to wait 20-25 us sometimes waited until the next put,
+    2 s later: about one request in 6,000 then had a finished WRITE nobody looked at until its
+    transfer deadline.)"""
+
+    def __init__(self):
+        self._items: deque = deque()  # append/popleft are thread safe
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def put(self, item: Any) -> None:
+        self._items.append(item)
+        os.eventfd_write(self._wake, 1)
+
+    def get(self, timeout: float) -> Any:
+        """The oldest item; raises queue.Empty if none came within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self._items:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise queue.Empty
+            select.select([self._wake], [], [], left)
+            try:
+                os.eventfd_read(self._wake)  # a wake-up left by puts already taken only ends this wait early
+            except BlockingIOError:
+                pass
+        return self._items.popleft()
+
+    def close(self) -> None:
+        os.close(self._wake)
 
 
 @dataclass(eq=False)
