@@ -30,3 +30,13 @@ def test_transfer_bench_runs_with_requests_in_flight(tmp_path, shape):
         assert row["inflight"] == 3
         assert row["write_gbps"] > 0 and row["nixl_gbps"] > 0 and row["copy1_gbps"] > 0
         assert row["nixl_pages_gbps"] > 0
+
+
+def test_write_soak_bench_counts_no_slow_requests_on_a_short_run(tmp_path):
+    out = tmp_path / "write_soak.json"
+    done = subprocess.run([sys.executable, str(BENCH.with_name("write_soak.py")), "--requests", "40",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["requests"] == 40 and report["slow"] == []
+    assert 0 < report["p50_ms"] <= report["p99_ms"] <= report["max_ms"]
