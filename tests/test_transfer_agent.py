@@ -10,6 +10,7 @@ import pytest
 
 from baton.shared.transfer import (AUX_KEY, Descriptor, EventKind, Faults, PeerInfo, Region,
                                    TransferAgent, TransferStatus)
+from baton.shared.transfer.nixl_thread import NixlThread
 
 pytestmark = pytest.mark.integration
 
@@ -48,6 +49,14 @@ def test_region_registered_twice_is_refused_before_nixl():
     p = Pools()
     with pytest.raises(ValueError, match="registered twice"):
         TransferAgent("dup", p.regions + [p.regions[0]])
+
+
+def test_calls_on_a_closed_nixl_thread_fail_at_once_instead_of_waiting_forever():
+    thread = NixlThread("closing")
+    assert thread.call(lambda agent: "ran") == "ran"
+    thread.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        thread.call(lambda agent: "never runs")
 
 
 def test_unknown_peer_and_bad_descriptors_fail_the_request_only():

@@ -88,6 +88,7 @@ class NixlThread:
         self._held: Notifications = {}  # collected, not yet handed to a sink (NIXL thread only)
         self._sink: Callable[[Notifications], None] | None = None
         self._watched: list[_Watch] = []  # NIXL thread only
+        self._closed = False
         started: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(name, started),
                                         name=f"nixl-{name}", daemon=True)
@@ -126,13 +127,18 @@ class NixlThread:
             self._watch_due(agent)
 
     def close(self) -> None:
+        """Run the calls already queued, stop the thread; later calls fail at once."""
+        self._closed = True
         self._calls.put(None)
         self._thread.join()
         self._calls.close()
 
     def _submit(self, fn: Callable[..., Any], args: tuple) -> Future:
         future: Future = Future()
-        self._calls.put((fn, args, future))
+        if self._closed:  # e.g. a notice queued by a task that outlived the agent
+            future.set_exception(RuntimeError(f"NIXL thread {self._thread.name} is closed"))
+        else:
+            self._calls.put((fn, args, future))
         return future
 
     def _set_sink(self, agent: Any, sink: Callable[[Notifications], None] | None) -> None:
