@@ -129,8 +129,9 @@ def test_cancelled_write_returns_only_when_nothing_is_in_flight():
 
 
 def test_write_in_flight_at_its_deadline_is_cancelled_and_reported(monkeypatch):
-    # TCP: 256 MiB stays in flight ~0.25 s, long past the 5 ms deadline even when the loaded
-    # machine delays the cancel (64 MiB finished first in 1 of 26 loaded runs)
+    # TCP, and a receiver that makes no UCX progress for 1 s (its NIXL thread is kept busy, as a
+    # stalled peer's would be): the 256 MiB WRITE fills the socket and stays in flight past its
+    # 5 ms deadline, whatever the machine's load
     monkeypatch.setenv("UCX_TLS", "tcp,self")
     size = 256 << 20
 
@@ -142,6 +143,7 @@ def test_write_in_flight_at_its_deadline_is_cancelled_and_reported(monkeypatch):
             await a.add_peer("b", b.metadata(), regions["b"])
             await b.add_peer("a", a.metadata(), regions["a"])
             b.arrivals.expect(8, "a", ["full"], 64, 10.0)
+            b._nixl.submit(lambda agent: time.sleep(1.0))
             plan = [Descriptor("full", 0, 0, 0, size), Descriptor(AUX_KEY, 0, 0, 64, 64)]
             r = await a.write("b", plan, 8, 0.005)
             assert r.status is TransferStatus.FAILED and "deadline" in r.error and "CANCELLED" in r.error

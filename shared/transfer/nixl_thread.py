@@ -1,4 +1,4 @@
-"""One NIXL agent, driven from one dedicated thread; UCX progress is NIXL's own, paced thread.
+"""One NIXL agent, driven from one dedicated thread, which also makes its UCX progress.
 
 Threading rule: NIXL's API is not thread safe (the agent runs with NIXL_THREAD_SYNC_NONE), and posting
 a WRITE over UCX's `cma` transport copies the bytes inside the call (~25 ms for 256 MiB), which
@@ -6,19 +6,18 @@ must not stall an event loop. So the `nixl_agent` lives inside this object and e
 goes through `run` / `call` / `submit` as a function `fn(agent, *args)`, executed in FIFO order
 on the thread "nixl-<name>". Nothing else may touch the agent or its handles.
 
-Progress: NIXL's own progress thread makes UCX progress, paced (`_paced_config`): the Python API
-pins its delay to 0, a poll() loop that burns a whole core per agent (on 2 cores that halved
-transfer bandwidth); with PROGRESS_THREAD_DELAY_US it sleeps on the UCX workers' event fds and
-wakes when traffic arrives. (Driving progress from this thread instead, by calling
-`get_new_notifs` every 0.1 ms while a WRITE was due, once seemed to leave about one request in a
-thousand with WRITEs that never completed. Those were most likely the lost wake-ups `_Inbox`
-fixes, which tiny waits made more frequent; not re-measured.) This thread, between calls,
-(1) collects notifications with `get_new_notifs` every PROGRESS_S, or every EXPECTING_PROGRESS_S while
-`expecting()` says a WRITE to us is due (a receiver waiting for a request's state), and hands them
-to the sink (`set_sink`); (2) checks the state of posted WRITEs (`post`), from WATCH_FIRST_S
-backing off to WATCH_MAX_S; once none is in flight it releases their handles and calls their
-callback. Sink and callbacks run on this thread: they must be thread safe (e.g.
-`loop.call_soon_threadsafe`).
+Progress: this thread makes all of the agent's UCX progress; NIXL's own progress thread is off.
+A WRITE copies inside `transfer()` holding the UCX worker's lock, and NIXL's thread, woken
+meanwhile, spun on that lock and took the second core of a 2-core machine: write_soak's p99
+was 3.5-4.2 ms with it and 1.7-2.0 ms without (docs/benchmarks.md, stop 15). (Stops 7-14 ran it,
+paced, because driving progress from here seemed to leave one request in a thousand stalled;
+that was the lost wake-up `_Inbox` fixes.) This thread, between calls,
+(1) collects notifications with `get_new_notifs` (which progresses UCX: our notices go out, a
+peer's arrive) every PROGRESS_S, or every EXPECTING_PROGRESS_S while `expecting()` says a WRITE to
+us is due (a receiver waiting for a request's state), and hands them to the sink (`set_sink`);
+(2) checks the state of posted WRITEs (`post`; progresses them), from WATCH_FIRST_S backing off
+to WATCH_MAX_S; once none is in flight it releases their handles and calls their callback.
+Sink and callbacks run on this thread: they must be thread safe (e.g. `loop.call_soon_threadsafe`).
 """
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ from .nixl_ops import refresh, release
 log = logging.getLogger(__name__)
 
 PROGRESS_S = 0.001
-EXPECTING_PROGRESS_S = 0.0001  # collecting only (NIXL's thread makes UCX progress): ~1 us a call
-PROGRESS_THREAD_DELAY_US = 1000
+EXPECTING_PROGRESS_S = 0.0001
 WATCH_FIRST_S = 0.00005  # a small WRITE with its notification takes ~0.2 ms on loopback
 WATCH_MAX_S = 0.0005
 _PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
@@ -49,36 +47,10 @@ Notifications = dict[str, list[bytes]]  # peer agent name -> messages, in arriva
 
 
 def create_agent(name: str) -> Any:
-    """A NIXL agent with the UCX backend and the paced progress thread (below)."""
+    """A NIXL agent with the UCX backend, without NIXL's progress thread (above)."""
     from nixl_cu12 import _api  # not the `nixl` shim: no CUDA torch
 
-    with _CREATE_LOCK:
-        bind = _api.nixlBind
-        plain = bind.nixlAgentConfig
-        bind.nixlAgentConfig = _paced_config(plain)
-        try:
-            return _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
-        finally:
-            bind.nixlAgentConfig = plain
-
-
-_CREATE_LOCK = threading.Lock()
-
-
-def _paced_config(base: type) -> type:
-    """NIXL's agent config with the progress thread's delay pinned to PROGRESS_THREAD_DELAY_US:
-    the Python API sets it to 0, which makes the thread poll() with no timeout in a loop (a whole
-    core per agent); with a delay it sleeps in poll() on the UCX workers' event fds and wakes when
-    traffic arrives (or after the delay)."""
-    class PacedConfig(base):
-        @property
-        def pthrDelay(self) -> int:
-            return base.pthrDelay.__get__(self)
-
-        @pthrDelay.setter
-        def pthrDelay(self, _requested: int) -> None:
-            base.pthrDelay.__set__(self, PROGRESS_THREAD_DELAY_US)
-    return PacedConfig
+    return _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
 class NixlThread:
