@@ -32,10 +32,12 @@ def test_transfer_bench_runs_with_requests_in_flight(tmp_path, shape):
         assert row["nixl_pages_gbps"] > 0
 
 
-def test_write_soak_bench_counts_no_slow_requests_on_a_short_run(tmp_path):
+def test_write_soak_bench_runs_and_every_write_succeeds(tmp_path):
     out = tmp_path / "write_soak.json"
+    # generous limits: a loaded CI machine must not turn a slow request into a failure here
     done = subprocess.run([sys.executable, str(BENCH.with_name("write_soak.py")), "--requests", "40",
-                           "--json", str(out)], capture_output=True, text=True, timeout=120)
+                           "--deadline-s", "30", "--slow-s", "30", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["requests"] == 40 and report["slow"] == []
