@@ -51,7 +51,7 @@ from typing import Any, Iterator, Sequence
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.public import MAX_DRAFT_TOKENS, GenerateRequest, StreamChunk
+from baton.proto.public import GenerateRequest, StreamChunk, check_draft_tokens
 
 STAT_KEYS = ("mean", "p50", "p90", "p99")
 
@@ -305,8 +305,10 @@ class BenchConfig:
             raise ValueError("with --rate, --concurrency is one value (a cap on requests in flight)")
         if self.rate and any(r <= 0 for r in self.rate):
             raise ValueError(f"--rate values must be > 0, got {self.rate}")
-        if self.draft_tokens is not None and not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"--draft-tokens must be in 0..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
+        try:
+            check_draft_tokens(self.draft_tokens)  # the rule every generate request is held to
+        except BatonError as exc:
+            raise ValueError(f"--draft-tokens: {exc.message}") from None
         LengthSpec.parse(self.input_len), LengthSpec.parse(self.max_tokens)
 
 
