@@ -46,24 +46,23 @@ def test_item_rows_index_every_item_in_region_order():
     assert set(rows[:8, 1]) == {256} and set(rows[8:, 1]) == {64}
 
 
-def test_whole_item_descriptors_resolve_to_prepared_indices_aux_first():
+def test_whole_items_of_every_component_resolve_to_one_batch_of_prepared_indices():
     local, remote = table("me"), table("peer", base=BASE << 1)
-    batches = resolve([aux(), Descriptor("full", 1, 512, 0, 512), Descriptor("full", 0, 256, 768, 256)],
+    [batch] = resolve([aux(), Descriptor("full", 1, 512, 0, 512), Descriptor("full", 0, 256, 768, 256)],
                       local, remote)
-    assert [b.component_key for b in batches] == [AUX_KEY, "full"]
-    full = batches[1]
-    assert full.by_item and full.nbytes == 768
-    assert list(full.local) == [6, 7, 1] and list(full.remote) == [4, 5, 3]
-    assert list(batches[0].local) == [8] and list(batches[0].remote) == [9]
+    assert batch.components == (AUX_KEY, "full")
+    assert batch.by_item and batch.nbytes == 64 + 768
+    assert list(batch.local) == [8, 6, 7, 1] and list(batch.remote) == [9, 4, 5, 3]
 
 
 def test_partial_items_go_as_byte_ranges_next_to_the_whole_items():
     local, remote = table("me"), table("peer", base=BASE << 1)
-    _, items, ranges = resolve([Descriptor("full", 0, 128, 384, 256),  # cuts through items
-                                Descriptor("full", 1, 0, 256, 600),  # 2 whole items + 88 B tail
-                                aux()], local, remote)
-    assert items.by_item and list(items.local) == [4, 5] and list(items.remote) == [5, 6]
-    assert items.nbytes == 512 and ranges.nbytes == 256 + 88
+    items, ranges = resolve([Descriptor("full", 0, 128, 384, 256),  # cuts through items
+                             Descriptor("full", 1, 0, 256, 600),  # 2 whole items + 88 B tail
+                             aux()], local, remote)
+    assert items.by_item and list(items.local) == [4, 5, 8] and list(items.remote) == [5, 6, 9]
+    assert items.components == (AUX_KEY, "full") and ranges.components == ("full",)
+    assert items.nbytes == 512 + 64 and ranges.nbytes == 256 + 88
     assert not ranges.by_item
     assert ranges.local.tolist() == [[BASE + 128, 256, 0], [BASE + 4096 + 512, 88, 0]]
     assert ranges.remote.tolist() == [[(BASE << 1) + 384, 256, 0], [(BASE << 1) + 4096 + 768, 88, 0]]
@@ -76,6 +75,8 @@ def test_partial_items_go_as_byte_ranges_next_to_the_whole_items():
     ([Descriptor("full", 0, 768, 0, 512), aux()], "source range ends at 1280"),
     ([Descriptor("full", 0, 0, 900, 256), aux()], "destination range ends at 1156"),
     ([Descriptor("full", 0, 0, 0, 0), aux()], "nbytes must be > 0"),
+    ([Descriptor("full", 2, 0, 0, 256), aux()], "no region for component 'full' layer 2"),
+    ([Descriptor("full", -1, 0, 0, 256), aux()], "no region for component 'full' layer -1"),
 ])
 def test_bad_descriptors_name_the_problem(descriptors, message):
     with pytest.raises(DescriptorError, match=message):
@@ -88,7 +89,8 @@ def test_item_size_mismatch_between_sides_is_refused():
 
 
 def test_notice_round_trip_and_malformed_input():
-    for n in (Notice(Kind.WRITTEN, 2**64 - 1, "draft/SWA_RING", 1, 2), Notice(Kind.ABORT, 0)):
+    for n in (Notice(Kind.WRITTEN, 2**64 - 1, ("draft/SWA_RING",), 1, 2),
+              Notice(Kind.WRITTEN, 7, (AUX_KEY, "target/FULL", "target/SWA")), Notice(Kind.ABORT, 0)):
         assert decode(n.encode()) == n
     tag = bytes(8)
     for junk in (b"", b"BTNW", b"XYZW" + tag + b"\0\1", b"BTNQ" + tag + b"\0\1",
@@ -123,21 +125,29 @@ class Receiver:
         return out
 
     def written(self, tag: int, *components: str, peer: str = "p", part: int = 0, parts: int = 1) -> None:
-        for c in components:
-            self.tracker.on_notice(peer, Notice(Kind.WRITTEN, tag, c, part, parts))
+        self.tracker.on_notice(peer, Notice(Kind.WRITTEN, tag, components, part, parts))
 
 
-def test_arrival_needs_every_component_and_the_tag_in_the_aux_row():
+def test_arrival_needs_every_write_every_component_and_the_tag_in_the_aux_row():
     r = Receiver()
     r.tracker.expect(5, "p", ["full", "swa"], 64, 10.0)
     write_tag(r.aux, 64, 5)
-    r.written(5, "full", AUX_KEY, "full")  # a repeated notice counts once
-    r.written(5, "swa", part=1, parts=2)  # "swa" went as two WRITEs
-    r.written(5, "swa", part=0, parts=3)  # inconsistent part count: ignored
-    r.written(5, "draft")  # not in the plan: ignored
+    r.written(5, "full", "swa", part=1, parts=2)  # the byte ranges came first
+    r.written(5, "full", "swa", part=1, parts=2)  # a repeated WRITE counts once
+    r.written(5, AUX_KEY, "full", part=0, parts=3)  # inconsistent WRITE count: ignored
     assert r.events() == [] and r.tracker.pending == 1
-    r.written(5, "swa", part=0, parts=2)
+    r.written(5, AUX_KEY, "full", "draft", part=0, parts=2)  # "draft" is not in the plan: logged
     assert r.events() == [(5, EventKind.ARRIVED)] and r.tracker.pending == 0
+
+
+def test_every_write_landed_without_a_planned_component_fails_and_releases():
+    r = Receiver()
+    r.tracker.expect(5, "p", ["full", "swa"], 0, 10.0)
+    write_tag(r.aux, 0, 5)
+    r.written(5, AUX_KEY, "full")
+    failed, released = r.tracker.events.get_nowait(), r.tracker.events.get_nowait()
+    assert (failed.kind, released.kind, r.tracker.pending) == (EventKind.FAILED, EventKind.RELEASE, 0)
+    assert "1 of 1 WRITEs landed; components not written: ['swa']" in failed.reason
 
 
 def test_aux_tag_mismatch_fails_and_releases():
@@ -164,9 +174,9 @@ def test_after_abort_every_write_landing_also_releases():
     r = Receiver()
     r.tracker.expect(5, "p", ["full"], 0, 10.0)
     r.tracker.abort(5, "client cancelled")
-    r.written(5, "full")
+    r.written(5, "full", part=1, parts=2)
     assert r.events() == [(5, EventKind.FAILED)]
-    r.written(5, AUX_KEY)
+    r.written(5, AUX_KEY, "full", part=0, parts=2)
     assert r.events() == [(5, EventKind.RELEASE)]
 
 
@@ -185,7 +195,7 @@ def test_sender_failure_releases_at_once_and_peer_gone_releases_held_slots():
 
 def test_unknown_tags_and_bad_expectations(caplog):
     r = Receiver()
-    r.tracker.on_notice("p", Notice(Kind.WRITTEN, 99, "full"))
+    r.tracker.on_notice("p", Notice(Kind.WRITTEN, 99, ("full",)))
     r.tracker.abort(99)
     assert r.events() == [] and "unknown request 99" in caplog.text
     r.tracker.expect(5, "p", ["full"], 0, 1.0)

@@ -4,13 +4,13 @@ Threading: plain logic, called on the event loop thread only (the agent's notifi
 it; the decode service calls `expect` and `abort`). Events go to `events`, an asyncio.Queue.
 
 Per request tag the receiver sees, in order:
-- `ARRIVED`: WRITTEN notices came for every part of every expected component, and the aux row
-  carries the tag. The slots now hold the request's state; the tracker forgets the tag.
+- `ARRIVED`: WRITTEN notices came for every WRITE of the request, they carried every expected
+  component, and the aux row carries the tag. The slots now hold the request's state; the tracker forgets the tag.
 - `FAILED` (with a reason): the request cannot use its slots (sender failed, deadline passed,
   aborted here, aux tag mismatch, peer gone). The request gets an error now...
 - `RELEASE`: ...and only at this event may its slots go back to the free list: no WRITE into them
-  is in flight. That is known from the sender's FAILED notice, its ABORTED acknowledgement, every
-  component's WRITTEN notice, or the peer being gone (`peer_gone`, when the registry drops it).
+  is in flight. That is known from the sender's FAILED notice, its ABORTED acknowledgement, the
+  WRITTEN notice of every WRITE, or the peer being gone (`peer_gone`, when the registry drops it).
   A deadline alone never releases: a WRITE may still land (sglang #27372, vLLM #46283).
 """
 from __future__ import annotations
@@ -49,12 +49,16 @@ class _Pending:
     aux_offset: int
     deadline: float  # time.monotonic()
     failed: bool = False  # FAILED already emitted; waiting for a reason to RELEASE
-    parts: dict[str, int] = field(default_factory=dict)  # component -> its number of WRITEs
-    seen: dict[str, set[int]] = field(default_factory=dict)  # component -> parts landed
+    parts: int = 0  # the request's number of WRITEs, from its first WRITTEN notice (0: none yet)
+    seen: set[int] = field(default_factory=set)  # WRITEs landed
+    carried: set[str] = field(default_factory=set)  # components those WRITEs carried
 
-    def missing(self) -> list[str]:
-        return [c for c in sorted(self.components)
-                if c not in self.parts or len(self.seen[c]) < self.parts[c]]
+    def all_landed(self) -> bool:
+        return self.parts > 0 and len(self.seen) == self.parts
+
+    def missing(self) -> str:
+        writes = f"{len(self.seen)} of {self.parts} WRITEs landed" if self.parts else "no WRITE landed"
+        return f"{writes}; components not written: {sorted(self.components - self.carried)}"
 
 
 class ArrivalTracker:
@@ -120,7 +124,7 @@ class ArrivalTracker:
         now = time.monotonic()
         for tag, entry in list(self._pending.items()):
             if not entry.failed and now > entry.deadline:
-                self._fail(tag, entry, f"transfer deadline passed; missing {entry.missing()}")
+                self._fail(tag, entry, f"transfer deadline passed; {entry.missing()}")
                 self._send(entry.peer, Notice(Kind.ABORT, tag))
 
     def peer_gone(self, peer: str) -> None:
@@ -132,23 +136,25 @@ class ArrivalTracker:
                 self._release(tag)
 
     def _written(self, notice: Notice, entry: _Pending) -> None:
-        c = notice.component
-        if c not in entry.components:
-            log.warning("ignored WRITTEN notice of request %d: component %r is not in its plan",
-                        notice.tag, c)
+        if (entry.parts and entry.parts != notice.parts) or notice.part in entry.seen:
+            log.warning("ignored WRITTEN notice of request %d: WRITE %d/%d repeats one or contradicts "
+                        "the count %d", notice.tag, notice.part, notice.parts, entry.parts)
             return
-        parts = entry.parts.setdefault(c, notice.parts)
-        seen = entry.seen.setdefault(c, set())
-        if parts != notice.parts or notice.part in seen:
-            log.warning("ignored WRITTEN notice of request %d: part %d/%d of %r repeats a part or "
-                        "contradicts the part count %d", notice.tag, notice.part, notice.parts, c, parts)
-            return
-        seen.add(notice.part)
-        if not entry.missing():
+        entry.parts = notice.parts
+        entry.seen.add(notice.part)
+        entry.carried.update(notice.components)
+        if extra := set(notice.components) - entry.components:
+            log.warning("WRITTEN notice of request %d carried components not in its plan: %s",
+                        notice.tag, sorted(extra))
+        if entry.all_landed():
             self._all_written(notice.tag, entry)
 
     def _all_written(self, tag: int, entry: _Pending) -> None:
         if entry.failed:  # every WRITE landed after we gave up: nothing is in flight any more
+            self._release(tag)
+            return
+        if not entry.components <= entry.carried:  # the sender's plan lacks some of ours
+            self._fail(tag, entry, f"every WRITE landed but {entry.missing()}")
             self._release(tag)
             return
         found = read_tag(self._aux, entry.aux_offset)

@@ -4,8 +4,10 @@ Set through `TransferAgent(faults=...)`, by assigning `agent.faults`, or for a w
 `BATON_TRANSFER_FAULTS="delay=1.5,fail=aux,drop=full"`. Faults act in Baton's code, not in NIXL:
 - `delay_s`: hold every WRITE this long before posting it, as a slow transfer in flight would; an
   abort or deadline during the delay does not stop it (the worst case for the receiver).
-- `fail`: do not post this component's WRITE and report it as a NIXL error.
-- `drop`: post this component's WRITE without its notification.
+- `fail`: do not post the WRITE that carries this component and report it as a NIXL error.
+- `drop`: post the WRITE that carries this component without its notification.
+(A request goes as one WRITE of whole items and maybe one of byte ranges, each carrying several
+components: `regions.resolve`.)
 """
 from __future__ import annotations
 

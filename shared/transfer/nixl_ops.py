@@ -18,7 +18,7 @@ LOCAL = "NIXL_INIT_AGENT"
 
 @dataclass(eq=False)
 class Xfer:
-    """One WRITE: one component of one request, or one of its two parts (items, byte ranges).
+    """One WRITE of a request: its whole items or its byte ranges (`regions.resolve`).
 
     state: NEW -> PROC | DONE | ERR (NIXL's), CANCELLED (released while in flight: NIXL cancelled
     it), SKIPPED (never posted because an earlier post failed)."""
@@ -102,8 +102,8 @@ def cancel(agent, xfers: list[Xfer]) -> None:
                 x.state = "CANCELLED"
             except Exception as e:
                 if not x.cancel_refused:
-                    log.warning("WRITE of %r cannot be cancelled (%s); waiting for it to end",
-                                x.batch.component_key, e)
+                    log.warning("WRITE of %s cannot be cancelled (%s); waiting for it to end",
+                                ",".join(x.batch.components), e)
                 x.cancel_refused = True
 
 
@@ -116,7 +116,7 @@ def release(agent, xfers: list[Xfer]) -> None:
             for dlist in x.dlists:
                 dlist.release()
         except Exception as e:
-            log.error("releasing the WRITE of %r failed: %s", x.batch.component_key, e)
+            log.error("releasing the WRITE of %s failed: %s", ",".join(x.batch.components), e)
 
 
 def notify(agent, peer: str, message: bytes) -> None:

@@ -1,9 +1,11 @@
 """Wire format of the NIXL notifications Baton's transfer agents exchange.
 
-A notice is `b"BTN" + kind (1 byte) + tag (u64 LE) + part (u8) + parts (u8) + component (utf-8)`:
+A notice is `b"BTN" + kind (1 byte) + tag (u64 LE) + part (u8) + parts (u8) + components (utf-8,
+comma-separated)`:
 
-- `WRITTEN` (prefill -> decode, carried by a WRITE): part `part` of the `parts` WRITEs of one
-  component of request `tag` has landed (a component goes as one or two WRITEs).
+- `WRITTEN` (prefill -> decode, carried by a WRITE): WRITE `part` of the `parts` WRITEs of request
+  `tag` has landed; it carried `components` (a request goes as one or two WRITEs: whole items,
+  then byte ranges).
 - `FAILED`  (prefill -> decode): the writes for `tag` ended with an error; none is in flight.
 - `ABORT`   (decode -> prefill): decode gives up on `tag`; please stop and acknowledge.
 - `ABORTED` (prefill -> decode): acknowledgement; no write for `tag` is in flight or will start.
@@ -30,12 +32,12 @@ class Kind(Enum):
 class Notice:
     kind: Kind
     tag: int
-    component: str = ""
+    components: tuple[str, ...] = ()
     part: int = 0
     parts: int = 1
 
     def encode(self) -> bytes:
-        return _HEAD.pack(_MAGIC, self.kind.value, self.tag, self.part, self.parts) + self.component.encode()
+        return _HEAD.pack(_MAGIC, self.kind.value, self.tag, self.part, self.parts) + ",".join(self.components).encode()
 
 
 def decode(message: bytes) -> Notice | None:
@@ -46,7 +48,8 @@ def decode(message: bytes) -> Notice | None:
     if magic != _MAGIC or part >= parts:
         return None
     try:
-        return Notice(Kind(kind), tag, message[_HEAD.size:].decode(), part, parts)
+        text = message[_HEAD.size:].decode()
+        return Notice(Kind(kind), tag, tuple(text.split(",")) if text else (), part, parts)
     except ValueError:  # unknown kind or not utf-8
         return None
 

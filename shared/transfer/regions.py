@@ -57,12 +57,12 @@ class Descriptor:
 
 @dataclass(frozen=True, eq=False)
 class Batch:
-    """A component's bytes of one transfer (all of them or one of two parts), resolved against
-    both sides' region tables.
+    """Bytes of one transfer that go as one WRITE, resolved against both sides' region tables.
 
-    `by_item`: `local`/`remote` are int32 indices into the prepared per-item lists. Otherwise they
-    are [n, 3] uint64 rows (addr, nbytes, device 0) for a one-off prepared list."""
-    component_key: str
+    `by_item`: `local`/`remote` are int32 indices into the prepared per-item lists (whole items of
+    any component). Otherwise they are [n, 3] uint64 rows (addr, nbytes, device 0) for a one-off
+    prepared list (byte ranges). `components`: the component keys it carries, sorted."""
+    components: tuple[str, ...]
     nbytes: int
     by_item: bool
     local: np.ndarray
@@ -77,20 +77,31 @@ class RegionTable:
         self.owner = owner
         self.regions = list(regions)
         self._by_key: dict[tuple[str, int], Region] = {}
-        self._first_item: dict[tuple[str, int], int] = {}
-        self._columns: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # layer_columns' cache
+        first_item: list[int] = []
         count = 0
         for r in self.regions:
             _check_region(r, owner)
             if r.key in self._by_key:
                 raise ValueError(f"{owner}: region {r.key} is registered twice")
             self._by_key[r.key] = r
-            self._first_item[r.key] = count
+            first_item.append(count)
             count += r.num_items
         spans = sorted(self.regions, key=lambda r: r.addr)
         for a, b in zip(spans, spans[1:]):
             if a.addr + a.nbytes > b.addr:
                 raise ValueError(f"{owner}: regions {a.key} and {b.key} overlap in memory")
+        # [regions, 4] int64 (item_bytes, addr, nbytes, first item): what `columns` gathers from
+        self._columns = np.array([(r.item_bytes, r.addr, r.nbytes, first) for r, first in
+                                  zip(self.regions, first_item)], dtype=np.int64).reshape(-1, 4)
+        # the row of region (component, layer) is _row_of[_layer_base[component] + layer], -1 if none
+        self._layer_base: dict[str, int] = {}
+        self._layer_count: dict[str, int] = {}
+        row_of: list[int] = []
+        for key in dict.fromkeys(r.component_key for r in self.regions):
+            layers = {r.layer_index: row for row, r in enumerate(self.regions) if r.component_key == key}
+            self._layer_base[key], self._layer_count[key] = len(row_of), max(layers) + 1
+            row_of += [layers.get(i, -1) for i in range(max(layers) + 1)]
+        self._row_of = np.array(row_of, dtype=np.int64)
 
     def item_rows(self) -> np.ndarray:
         """[num_items_total, 3] uint64 rows (addr, item_bytes, device 0), in index order."""
@@ -104,88 +115,78 @@ class RegionTable:
             raise DescriptorError(f"{self.owner} has no region for component {key[0]!r} layer {key[1]}")
         return region
 
-    def layer_columns(self, component_key: str, layers: np.ndarray) -> np.ndarray:
-        """[n, 4] int64 (item_bytes, addr, nbytes, first item) of the component's region of each
-        of `layers` [n]; DescriptorError naming the first layer that has no region."""
-        if component_key not in self._columns:
-            self._columns[component_key] = self._component_columns(component_key)
-        index, columns = self._columns[component_key]
-        known = (layers >= 0) & (layers < len(index))
+    def columns(self, names: list[str], component: np.ndarray, layers: np.ndarray) -> np.ndarray:
+        """[n, 4] int64 (item_bytes, addr, nbytes, first item) of the region of component
+        names[component[i]], layer layers[i], for each i; DescriptorError naming the first (component,
+        layer) that has no region."""
+        base = np.array([self._layer_base.get(k, -1) for k in names], dtype=np.int64)[component]
+        count = np.array([self._layer_count.get(k, 0) for k in names], dtype=np.int64)[component]
+        known = (base >= 0) & (layers >= 0) & (layers < count)
         rows = np.full(len(layers), -1, dtype=np.int64)
-        rows[known] = index[layers[known]]
+        rows[known] = self._row_of[(base + layers)[known]]
         if (rows < 0).any():
-            self.region((component_key, int(layers[np.argmax(rows < 0)])))  # raises
-        return columns[rows]
-
-    def _component_columns(self, component_key: str) -> tuple[np.ndarray, np.ndarray]:
-        """(row of each layer index, -1 where none [max layer + 1]; the rows [n, 4])."""
-        mine = [r for r in self.regions if r.component_key == component_key]
-        index = np.full(max((r.layer_index for r in mine), default=-1) + 1, -1, dtype=np.int64)
-        for row, r in enumerate(mine):
-            index[r.layer_index] = row
-        columns = np.array([(r.item_bytes, r.addr, r.nbytes, self._first_item[r.key]) for r in mine],
-                           dtype=np.int64).reshape(-1, 4)
-        return index, columns
+            i = int(np.argmax(rows < 0))
+            self.region((names[component[i]], int(layers[i])))  # raises
+        return self._columns[rows]
 
 
 def resolve(descriptors: list[Descriptor], local: RegionTable, remote: RegionTable) -> list[Batch]:
-    """Group descriptors by component (aux first) and resolve them to item indices and byte ranges:
-    one or two batches per component, each sent as one WRITE. The aux WRITE goes first: it is
-    tiny, so its notification travels while the bulk is copied and the last WRITE's completion is
-    the request's (the receiver waits for every component's notification, in any order).
+    """Resolve a transfer's descriptors (every component, aux row included) into at most two
+    WRITEs: the whole items of every component by index into the prepared per-item lists, then
+    the byte ranges (a partly filled last page, an item cut by an offset) through one-off lists. A
+    descriptor starting on an item boundary on both sides sends its whole items by index and its
+    tail as a range; any other descriptor is one range. One WRITE per request, not one per
+    component: each WRITE costs a post, a notification and a completion check (on 2 cores about
+    0.1 ms each), which dominated small requests. Vectorised: a large request has thousands of
+    descriptors (layers x pages).
 
     Raises DescriptorError naming the offending descriptor: unknown region on either side, item
-    sizes that differ between the sides, a range outside a region, or no aux row."""
-    groups: dict[str, list[Descriptor]] = {}
-    for d in descriptors:
-        groups.setdefault(d.component_key, []).append(d)
-    if AUX_KEY not in groups:
+    sizes that differ between the sides, a range outside a region, or not exactly one aux row."""
+    names: dict[str, int] = {}
+    d = np.array([(names.setdefault(x.component_key, len(names)), x.layer_index, x.src_offset,
+                   x.dst_offset, x.nbytes) for x in descriptors], dtype=np.int64).reshape(-1, 5)
+    component, layer, src_off, dst_off, nbytes = d.T  # [n] each
+    if AUX_KEY not in names:
         raise DescriptorError("transfer has no aux descriptor; the aux row carries the request tag")
-    aux = groups.pop(AUX_KEY)
-    if len(aux) != 1 or aux[0].nbytes < TAG_BYTES:
+    aux = component == names[AUX_KEY]
+    if aux.sum() != 1 or nbytes[aux][0] < TAG_BYTES:
         raise DescriptorError(f"transfer needs exactly one aux descriptor of >= {TAG_BYTES} bytes")
-    groups = {AUX_KEY: aux, **groups}
-    return [b for key, group in groups.items() for b in _resolve_group(key, group, local, remote)]
-
-
-def _resolve_group(key: str, group: list[Descriptor], local: RegionTable,
-                   remote: RegionTable) -> list[Batch]:
-    """The component's whole items as one batch (if any) and its byte ranges as another (if
-    any): a descriptor starting on an item boundary on both sides sends its whole items by
-    index and its tail as a range; any other descriptor is one range. Vectorised: a large
-    request has thousands of descriptors (layers x pages)."""
-    d = np.array([(x.layer_index, x.src_offset, x.dst_offset, x.nbytes) for x in group], dtype=np.int64)
-    layer, src_off, dst_off, nbytes = d.T
-    ib, src_addr, src_size, src_first = local.layer_columns(key, layer).T
-    dst_ib, dst_addr, dst_size, dst_first = remote.layer_columns(key, layer).T
+    keys = list(names)
+    ib, src_addr, src_size, src_first = local.columns(keys, component, layer).T
+    dst_ib, dst_addr, dst_size, dst_first = remote.columns(keys, component, layer).T
     if (ib != dst_ib).any():
         i = int(np.argmax(ib != dst_ib))
-        raise DescriptorError(f"component {key!r} layer {layer[i]}: item sizes differ (local "
-                              f"{ib[i]} B, remote {dst_ib[i]} B), so the two descriptor lists "
+        raise DescriptorError(f"component {keys[component[i]]!r} layer {layer[i]}: item sizes differ "
+                              f"(local {ib[i]} B, remote {dst_ib[i]} B), so the two descriptor lists "
                               "would not match")
     bad = (nbytes <= 0) | (src_off < 0) | (dst_off < 0) | (src_off + nbytes > src_size) \
         | (dst_off + nbytes > dst_size)
     if bad.any():
-        i = int(np.argmax(bad))
-        _check_descriptor(group[i], local.region((key, int(layer[i]))), remote.region((key, int(layer[i]))))
-    items = np.where((src_off % ib == 0) & (dst_off % ib == 0), nbytes // ib, 0)
-    tail = nbytes - items * ib
+        x = descriptors[int(np.argmax(bad))]
+        _check_descriptor(x, local.region((x.component_key, x.layer_index)),
+                          remote.region((x.component_key, x.layer_index)))
+    items = np.where((src_off % ib == 0) & (dst_off % ib == 0), nbytes // ib, 0)  # [n] whole items
+    tail = nbytes - items * ib  # [n] bytes sent as a range
     batches = []
     if items.any():
-        owner = np.repeat(np.arange(len(group)), items)  # descriptor of each item
+        owner = np.repeat(np.arange(len(d)), items)  # [items total] descriptor of each item
         within = np.arange(owner.size) - np.repeat(np.cumsum(items) - items, items)
         local_items = (src_first + src_off // ib)[owner] + within
         remote_items = (dst_first + dst_off // ib)[owner] + within
-        batches.append(Batch(key, int((items * ib).sum()), True, local_items.astype(np.int32),
-                             remote_items.astype(np.int32)))
+        batches.append(Batch(_carried(keys, component[items > 0]), int((items * ib).sum()), True,
+                             local_items.astype(np.int32), remote_items.astype(np.int32)))
     if tail.any():
         r = tail > 0
         start = (items * ib)[r]
         size = tail[r].astype(np.uint64)
-        batches.append(Batch(key, int(size.sum()), False,
+        batches.append(Batch(_carried(keys, component[r]), int(size.sum()), False,
                              _rows((src_addr + src_off)[r] + start, size),
                              _rows((dst_addr + dst_off)[r] + start, size)))
     return batches
+
+
+def _carried(keys: list[str], component: np.ndarray) -> tuple[str, ...]:
+    return tuple(sorted(keys[i] for i in np.unique(component)))
 
 
 def _rows(addrs: np.ndarray, sizes) -> np.ndarray:
@@ -212,6 +213,8 @@ def _check_row(region: Region, offset: int) -> None:
 
 
 def _check_region(r: Region, owner: str) -> None:
+    if "," in r.component_key:  # notices list components comma-separated
+        raise ValueError(f"{owner}: component key {r.component_key!r} must not contain ','")
     if r.addr <= 0 or r.item_bytes <= 0 or r.nbytes <= 0 or r.nbytes % r.item_bytes:
         raise ValueError(f"{owner}: region {r.key} must have addr > 0 and nbytes a positive multiple "
                          f"of item_bytes (addr={r.addr:#x}, nbytes={r.nbytes}, item_bytes={r.item_bytes})")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
@@ -96,8 +96,9 @@ class Sender:
 
     async def write(self, peer: str, dest: Destination | None, descriptors: list[Descriptor], tag: int,
                     deadline_s: float) -> TransferResult:
-        """WRITE the plan's regions, then the aux row stamped with `tag`, into `dest`; each WRITE
-        notifies the peer with (tag, component, part). Never raises for a bad request."""
+        """WRITE the plan's regions and the aux row stamped with `tag` into `dest`, as one WRITE
+        of whole items and, if needed, one of byte ranges (`resolve`); each notifies the peer
+        with (tag, its components, WRITE i of n). Never raises for a bad request."""
         start = time.monotonic()
         if tag in self._aborted:
             return TransferResult(tag, peer, TransferStatus.ABORTED, error="receiver aborted the request")
@@ -168,16 +169,12 @@ class Sender:
                         self._items, job.peer, dest.items)
 
     def _xfers(self, tag: int, batches: list[Batch]) -> list[nixl_ops.Xfer]:
-        """One WRITE per batch, each notifying (tag, component, part i of the component's n)."""
-        parts = Counter(b.component_key for b in batches)
-        numbered: Counter[str] = Counter()
+        """One WRITE per batch, each notifying (tag, its components, WRITE i of n)."""
         xfers = []
-        for b in batches:
-            key = b.component_key
-            notice = Notice(Kind.WRITTEN, tag, key, numbered[key], parts[key]).encode()
-            numbered[key] += 1
-            xfers.append(nixl_ops.Xfer(b, b"" if key == self.faults.drop else notice,
-                                       fail=key == self.faults.fail))
+        for i, b in enumerate(batches):
+            notice = Notice(Kind.WRITTEN, tag, b.components, i, len(batches)).encode()
+            xfers.append(nixl_ops.Xfer(b, b"" if self.faults.drop in b.components else notice,
+                                       fail=self.faults.fail in b.components))
         return xfers
 
     def _finish(self, tag: int, job: _Write, xfers: list[nixl_ops.Xfer], seconds: float) -> TransferResult:
@@ -193,7 +190,7 @@ class Sender:
             stats.writes += 1
             return TransferResult(tag, job.peer, TransferStatus.DONE, nbytes, seconds)
         self._send(job.peer, Notice(Kind.FAILED, tag))
-        errors = [f"{x.batch.component_key}: {x.error or x.state}" for x in xfers if x.state != "DONE"]
+        errors = [f"WRITE of {','.join(x.batch.components)}: {x.error or x.state}" for x in xfers if x.state != "DONE"]
         hint = cma_hint() if any(x.state == "ERR" for x in xfers) else ""
         return self.failed(tag, job.peer, "; ".join(filter(None, [job.stop, *errors, hint])), seconds)
 
