@@ -77,6 +77,9 @@ def test_partial_items_go_as_byte_ranges_next_to_the_whole_items():
     ([Descriptor("full", 0, 0, 0, 0), aux()], "nbytes must be > 0"),
     ([Descriptor("full", 2, 0, 0, 256), aux()], "no region for component 'full' layer 2"),
     ([Descriptor("full", -1, 0, 0, 256), aux()], "no region for component 'full' layer -1"),
+    ([Descriptor("full", 0, 2**62, 2**62, 2**62), aux()], "source range ends at"),  # wraps int64
+    ([Descriptor("full", 0, 0, 0, 2**70), aux()], "integers within int64"),
+    ([Descriptor("full", 0, None, 0, 256), aux()], "integers within int64"),
 ])
 def test_bad_descriptors_name_the_problem(descriptors, message):
     with pytest.raises(DescriptorError, match=message):

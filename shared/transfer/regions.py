@@ -143,8 +143,11 @@ def resolve(descriptors: list[Descriptor], local: RegionTable, remote: RegionTab
     Raises DescriptorError naming the offending descriptor: unknown region on either side, item
     sizes that differ between the sides, a range outside a region, or not exactly one aux row."""
     names: dict[str, int] = {}
-    d = np.array([(names.setdefault(x.component_key, len(names)), x.layer_index, x.src_offset,
-                   x.dst_offset, x.nbytes) for x in descriptors], dtype=np.int64).reshape(-1, 5)
+    try:
+        d = np.array([(names.setdefault(x.component_key, len(names)), x.layer_index, x.src_offset,
+                       x.dst_offset, x.nbytes) for x in descriptors], dtype=np.int64).reshape(-1, 5)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise DescriptorError(f"descriptor fields must be integers within int64: {e}") from e
     component, layer, src_off, dst_off, nbytes = d.T  # [n] each
     if AUX_KEY not in names:
         raise DescriptorError("transfer has no aux descriptor; the aux row carries the request tag")
@@ -159,8 +162,8 @@ def resolve(descriptors: list[Descriptor], local: RegionTable, remote: RegionTab
         raise DescriptorError(f"component {keys[component[i]]!r} layer {layer[i]}: item sizes differ "
                               f"(local {ib[i]} B, remote {dst_ib[i]} B), so the two descriptor lists "
                               "would not match")
-    bad = (nbytes <= 0) | (src_off < 0) | (dst_off < 0) | (src_off + nbytes > src_size) \
-        | (dst_off + nbytes > dst_size)
+    bad = (nbytes <= 0) | (src_off < 0) | (dst_off < 0) | (nbytes > src_size - src_off) \
+        | (nbytes > dst_size - dst_off)  # (offset + nbytes could wrap around int64)
     if bad.any():
         x = descriptors[int(np.argmax(bad))]
         _check_descriptor(x, local.region((x.component_key, x.layer_index)),
