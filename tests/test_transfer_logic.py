@@ -37,6 +37,10 @@ def test_region_registered_twice_or_overlapping_is_refused():
         RegionTable([r, Region("full", 1, BASE + 512, 1024, 256)], "me")
     with pytest.raises(ValueError, match="multiple of item_bytes"):
         RegionTable([Region("full", 0, BASE, 1000, 256)], "me")
+    with pytest.raises(ValueError, match="past any user-space address"):
+        RegionTable([Region("full", 0, (1 << 63) - 512, 1024, 256)], "me")
+    with pytest.raises(ValueError, match="must not contain ','"):
+        RegionTable([Region("full,swa", 0, BASE, 1024, 256)], "me")
 
 
 def test_item_rows_index_every_item_in_region_order():

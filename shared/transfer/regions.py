@@ -21,6 +21,7 @@ import numpy as np
 AUX_KEY = "aux/AUX"  # component key of the aux region (= baton.shared.kv's aux component name)
 TAG_BYTES = 8  # an aux row starts with the request tag, u64 little-endian (written by the sender)
 MAX_TAG = (1 << 64) - 1
+_ADDRESS_END = 1 << 63
 
 
 class DescriptorError(ValueError):
@@ -221,6 +222,8 @@ def _check_region(r: Region, owner: str) -> None:
     if r.addr <= 0 or r.item_bytes <= 0 or r.nbytes <= 0 or r.nbytes % r.item_bytes:
         raise ValueError(f"{owner}: region {r.key} must have addr > 0 and nbytes a positive multiple "
                          f"of item_bytes (addr={r.addr:#x}, nbytes={r.nbytes}, item_bytes={r.item_bytes})")
+    if r.addr + r.nbytes > _ADDRESS_END:  # resolve computes addresses in int64
+        raise ValueError(f"{owner}: region {r.key} ends at {r.addr + r.nbytes:#x}, past any user-space address")
 
 
 def _check_descriptor(d: Descriptor, src: Region, dst: Region) -> None:
