@@ -158,7 +158,7 @@ class TransferAgent:
     # --- sender ------------------------------------------------------------------------------
     async def write(self, peer: str, descriptors: list[Descriptor], tag: int,
                     deadline_s: float) -> TransferResult:
-        """WRITE the plan's regions, then the aux row stamped with `tag`, into `peer`'s slots
+        """WRITE the plan's regions and the aux row stamped with `tag` into `peer`'s slots
         (see sender.py). Never raises for a bad request: the result carries the error. When it
         returns nothing is in flight, also when cancelled, so the caller may free its slots."""
         known = await self._peer(peer)
