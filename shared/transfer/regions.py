@@ -100,8 +100,9 @@ class RegionTable:
         row_of: list[int] = []
         for key in dict.fromkeys(r.component_key for r in self.regions):
             layers = {r.layer_index: row for row, r in enumerate(self.regions) if r.component_key == key}
-            self._layer_base[key], self._layer_count[key] = len(row_of), max(layers) + 1
-            row_of += [layers.get(i, -1) for i in range(max(layers) + 1)]
+            count = max(layers) + 1
+            self._layer_base[key], self._layer_count[key] = len(row_of), count
+            row_of += [layers.get(i, -1) for i in range(count)]
         self._row_of = np.array(row_of, dtype=np.int64)
 
     def item_rows(self) -> np.ndarray:
