@@ -51,6 +51,11 @@ def test_region_registered_twice_is_refused_before_nixl():
         TransferAgent("dup", p.regions + [p.regions[0]])
 
 
+def test_a_negative_number_of_copy_threads_is_refused():
+    with pytest.raises(ValueError, match="copy_threads must be >= 0, got -1"):
+        TransferAgent("negative", Pools().regions, copy_threads=-1)
+
+
 def test_calls_on_a_closed_nixl_thread_fail_at_once_instead_of_waiting_forever():
     thread = NixlThread("closing")
     assert thread.call(lambda agent: "ran") == "ran"

@@ -17,6 +17,7 @@ import pytest
 
 from baton.shared.transfer import (AUX_KEY, Descriptor, EventKind, Faults, Region, TransferAgent,
                                    TransferStatus)
+from baton.shared.transfer.nixl_thread import SPLIT_DESCRIPTORS
 from baton.shared.transfer.notices import Kind, Notice
 
 pytestmark = pytest.mark.integration
@@ -55,11 +56,11 @@ def take(free: dict[str, set[int]], key: str, n: int, rng: np.random.Generator) 
 
 
 # --- the prefill process ----------------------------------------------------------------------
-def prefill_main(conn, name: str) -> None:
-    asyncio.run(_prefill(conn, name))
+def prefill_main(conn, name: str, copy_threads: int) -> None:
+    asyncio.run(_prefill(conn, name, copy_threads))
 
 
-async def _prefill(conn, name: str) -> None:
+async def _prefill(conn, name: str, copy_threads: int) -> None:
     rng = np.random.default_rng(os.getpid())
     pools = make_pools(rng)
     free = full_free_lists()
@@ -72,7 +73,7 @@ async def _prefill(conn, name: str) -> None:
             free[key] |= set(ids)
         conn.send((rid, result))
 
-    async with TransferAgent(name, regions_of(pools)) as agent:
+    async with TransferAgent(name, regions_of(pools), copy_threads=copy_threads) as agent:
         conn.send(("ready", (agent.metadata(), regions_of(pools))))
         while True:
             while not conn.poll():
@@ -102,11 +103,11 @@ async def _prefill(conn, name: str) -> None:
 class Prefill:
     """The test's handle on a prefill child process."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, copy_threads: int = 0):
         ctx = mp.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=prefill_main, args=(child, name), daemon=True)
+        self.proc = ctx.Process(target=prefill_main, args=(child, name, copy_threads), daemon=True)
         self.proc.start()
         assert self.conn.poll(60), "prefill child did not start"
         _, (self.metadata, self.regions) = self.conn.recv()
@@ -257,6 +258,34 @@ def test_plan_regions_arrive_byte_exact(prefill):
         decode.release(b[0])
 
     asyncio.run(decode_session(prefill, scenario))
+
+
+def test_copy_threads_split_a_write_and_it_still_arrives_byte_exact():
+    """A sender with copy threads (NIXL's UCX thread pool) cuts a WRITE of at least
+    SPLIT_DESCRIPTORS whole items into chunks copied by different threads; the bytes, the tag and
+    the free lists must come out as with one thread. Prompt 0..23 fills 3 pages and the ring slot
+    in both layers: 6 + 2 whole items and the aux row in one WRITE."""
+    threaded = Prefill("prefill-threaded", copy_threads=2)
+
+    async def scenario(decode: Decode, name: str):
+        requests = [await start_request(threaded, decode, name, 16, 23),
+                    await start_request(threaded, decode, name, 14, 18)]  # wraps the ring
+        item_bytes = {key: g[2] for key, g in GEOMETRY.items()}
+        whole = [d for d in requests[0][1] if d.nbytes == item_bytes[d.component_key]]
+        assert len(whole) >= SPLIT_DESCRIPTORS
+        assert {(await decode.event()).tag for _ in requests} == {r[0] for r in requests}
+        for tag, descriptors, rid in requests:
+            result = await threaded.reply(rid)
+            assert result.ok and result.nbytes == sum(d.nbytes for d in descriptors)
+            assert [decode.dst_bytes(d) for d in descriptors] == await threaded.call("read", descriptors)
+            assert int.from_bytes(decode.dst_bytes(descriptors[-1])[:8], "little") == tag
+            decode.release(tag)
+        assert decode.untouched_is_zero(requests[0][1] + requests[1][1])
+
+    try:
+        asyncio.run(decode_session(threaded, scenario))
+    finally:
+        threaded.stop()
 
 
 def test_failed_write_is_an_error_on_both_sides_and_frees_after_it_ends(prefill):

@@ -50,9 +50,10 @@ class _Peer:
 class TransferAgent:
     def __init__(self, name: str, regions: list[Region], *,
                  lookup: Callable[[str], Awaitable[PeerInfo | None]] | None = None,
-                 faults: Faults | None = None):
+                 faults: Faults | None = None, copy_threads: int = 0):
         """Create the NIXL agent and register every region (blocks for a moment: call it at
         start-up). `lookup(name)` fetches an unknown peer's registry entry on first use.
+        `copy_threads` > 0: large WRITEs copy on that many threads in parallel (`create_agent`).
         Raises ValueError for a region registered twice, overlapping regions or bad sizes."""
         self.name = name
         self.table = RegionTable(regions, f"agent {name!r}")
@@ -65,7 +66,7 @@ class TransferAgent:
         self._tasks: list[asyncio.Task] = []
         self._sending: set[asyncio.Task] = set()  # notices waiting for a peer lookup
         self._inbox: asyncio.Queue[Notifications] = asyncio.Queue()
-        self._nixl = NixlThread(name)
+        self._nixl = NixlThread(name, copy_threads)
         self._nixl.expecting = lambda: self.arrivals.pending > 0  # len() of a dict: safe from that thread
         self._reg, self._items, self._metadata = self._nixl.call(nixl_ops.register, self.table)
         self._sender = Sender(self._nixl, self.table, self._items, self.metrics, self._send,

@@ -42,19 +42,30 @@ PROGRESS_S = 0.001
 EXPECTING_PROGRESS_S = 0.0001
 WATCH_FIRST_S = 0.00005  # a small WRITE with its notification takes ~0.2 ms on loopback
 WATCH_MAX_S = 0.0005
+SPLIT_DESCRIPTORS = 8  # with copy threads, a WRITE of fewer descriptors stays on one thread
 _PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
 Notifications = dict[str, list[bytes]]  # peer agent name -> messages, in arrival order
 
 
-def create_agent(name: str) -> Any:
-    """A NIXL agent with the UCX backend, without NIXL's progress thread (above)."""
+def create_agent(name: str, copy_threads: int = 0) -> Any:
+    """A NIXL agent with the UCX backend, without NIXL's progress thread (above).
+
+    `copy_threads` > 0 gives the backend that many extra UCX workers, each with its own thread
+    (NIXL's UCX thread-pool engine): a WRITE of at least SPLIT_DESCRIPTORS descriptors is cut into
+    up to `copy_threads` chunks of consecutive descriptors that copy in parallel, `transfer()`
+    returning once every chunk is posted (over `cma`: copied). 0 copies on the calling thread."""
     from nixl_cu12 import _api  # not the `nixl` shim: no CUDA torch
 
-    return _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    if copy_threads < 0:
+        raise ValueError(f"copy_threads must be >= 0, got {copy_threads}")
+    agent = _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+    params = {"num_threads": str(copy_threads), "split_batch_size": str(SPLIT_DESCRIPTORS)} if copy_threads else {}
+    agent.create_backend("UCX", params)
+    return agent
 
 
 class NixlThread:
-    def __init__(self, name: str):
+    def __init__(self, name: str, copy_threads: int = 0):
         self.expecting: Callable[[], bool] = lambda: False  # read on the NIXL thread: must be cheap and safe
         self._calls = _Inbox()
         self._held: Notifications = {}  # collected, not yet handed to a sink (NIXL thread only)
@@ -62,7 +73,7 @@ class NixlThread:
         self._watched: list[_Watch] = []  # NIXL thread only
         self._closed = False
         started: Future = Future()
-        self._thread = threading.Thread(target=self._main, args=(name, started),
+        self._thread = threading.Thread(target=self._main, args=(name, copy_threads, started),
                                         name=f"nixl-{name}", daemon=True)
         self._thread.start()
         started.result()
@@ -117,9 +128,9 @@ class NixlThread:
         self._sink = sink
         self._hand_over()
 
-    def _main(self, name: str, started: Future) -> None:
+    def _main(self, name: str, copy_threads: int, started: Future) -> None:
         try:
-            agent = create_agent(name)
+            agent = create_agent(name, copy_threads)
         except BaseException as e:
             started.set_exception(e)
             return
