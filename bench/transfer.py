@@ -216,8 +216,8 @@ class RawNixl:
     and polled to DONE on the calling thread with nothing else in the way, no notification: what
     NIXL itself does with this shape."""
 
-    def __init__(self, pools, peer_metadata: bytes):
-        self.agent = create_agent("bench-raw")  # configured as TransferAgent's are
+    def __init__(self, pools, peer_metadata: bytes, copy_threads: int):
+        self.agent = create_agent("bench-raw", copy_threads)  # configured as the sender's agent is
         self.reg = self.agent.register_memory([(a.ctypes.data, a.nbytes, 0, "") for a in pools.values()], "DRAM")
         name = self.agent.add_remote_agent(peer_metadata)
         self.peer = name.decode() if isinstance(name, bytes) else name
@@ -311,12 +311,13 @@ def timed(fn, *args) -> float:
 async def send(args, conn, pools) -> list[dict]:
     rng = np.random.default_rng(1)
     rows, tag = [], 0
-    async with TransferAgent("bench-send", regions_of(pools, args.page_kib << 10)) as agent:
+    async with TransferAgent("bench-send", regions_of(pools, args.page_kib << 10),
+                             copy_threads=args.copy_threads) as agent:
         meta, regions = conn.recv()
         await agent.add_peer("bench-decode", meta, regions)
         args.local = {r.key: r.addr for r in agent.table.regions}
         args.remote = {r.key: r.addr for r in regions}
-        args.raw = RawNixl(pools, meta)
+        args.raw = RawNixl(pools, meta, args.copy_threads)
         try:
             for size in args.sizes.split(","):
                 row = await measure(agent, conn, pools, parse_size(size), args, rng, tag)
@@ -342,6 +343,9 @@ def main() -> None:
     ap.add_argument("--inflight", type=int, default=1,
                     help="requests whose WRITEs are started together (a prefill worker under load); "
                          "GB/s then counts all of their bytes")
+    ap.add_argument("--copy-threads", type=int, default=0,
+                    help="the sender's and the bare NIXL agent's UCX copy threads (TransferAgent(copy_threads=)): "
+                         "a WRITE's descriptors copy in parallel chunks; 0: on the NIXL thread")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", type=Path)
@@ -349,6 +353,8 @@ def main() -> None:
     page = args.page_kib << 10
     if args.inflight < 1:
         ap.error("--inflight must be >= 1")
+    if args.copy_threads < 0:
+        ap.error("--copy-threads must be >= 0")
     # pages per layer region: every in-flight request's pages, 25% spare
     needed = max(pages_per_layer(parse_size(s), args.layers, page) for s in args.sizes.split(","))
     args.pages = -(-needed * args.inflight * 5 // 4)
@@ -362,7 +368,7 @@ def main() -> None:
     args.torch_threads = torch.get_num_threads()
     args.sweep = CacheSweep()
     print(f"pages {args.shape}, {args.page_kib} KiB, {'4 KiB' if args.small_pages else '2 MiB'} memory pages, "
-          f"{args.inflight} request(s) in flight, "
+          f"{args.inflight} request(s) in flight, copy threads {args.copy_threads}, "
           f"torch threads {args.torch_threads}, UCX_TLS={os.environ.get('UCX_TLS', '(default)')}")
     print(f"{'MiB':>9} {'descs':>6} " + " ".join(f"{c:>7}" for c in COLUMNS))
     rows = asyncio.run(send(args, conn, pools))
@@ -372,7 +378,7 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
         args.json.write_text(json.dumps({"bench": "transfer", "layers": args.layers, "page_bytes": page,
                                          "shape": args.shape, "huge_pages": not args.small_pages, "iters": args.iters,
-                                         "inflight": args.inflight,
+                                         "inflight": args.inflight, "copy_threads": args.copy_threads,
                                          "torch_threads": args.torch_threads, "ucx_env": env,
                                          "rows": rows}, indent=2))
 

@@ -16,15 +16,16 @@ pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed (pip install
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "transfer.py"
 
 
-@pytest.mark.parametrize("shape", ["churn", "random"])
-def test_transfer_bench_runs_with_requests_in_flight(tmp_path, shape):
+@pytest.mark.parametrize("shape,copy_threads", [("churn", 0), ("random", 2)])
+def test_transfer_bench_runs_with_requests_in_flight(tmp_path, shape, copy_threads):
     out = tmp_path / "transfer.json"
     done = subprocess.run([sys.executable, str(BENCH), "--sizes", "64K,1M", "--shape", shape,
-                           "--inflight", "3", "--iters", "2", "--warmup", "1", "--json", str(out)],
+                           "--inflight", "3", "--iters", "2", "--warmup", "1", "--copy-threads", str(copy_threads),
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["inflight"] == 3 and report["shape"] == shape
+    assert report["inflight"] == 3 and report["shape"] == shape and report["copy_threads"] == copy_threads
     assert [row["payload_bytes"] for row in report["rows"]] == [64 << 10, 1 << 20]
     for row in report["rows"]:
         assert row["inflight"] == 3
