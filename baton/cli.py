@@ -44,6 +44,8 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-slots", type=int, help="requests resident at once per worker (default 64)")
     g.add_argument("--max-batch", type=int, help="default 64")
     g.add_argument("--threads", type=int, help="torch threads per worker (0: torch default)")
+    g.add_argument("--transfer-threads", type=int,
+                   help="prefill: threads copying one KV WRITE in parallel (default 0: the NIXL thread alone)")
 
 
 def add_http_options(p: argparse.ArgumentParser) -> None:
@@ -55,7 +57,8 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
 def worker_argv(args) -> list[str]:
     return ["--spec", args.spec, "--draft-tokens", str(args.draft_tokens), "--draft-state", args.draft_state,
             "--kv-mode", args.kv_mode, "--num-pages", str(args.num_pages), "--page-size", str(args.page_size),
-            "--num-slots", str(args.num_slots), "--max-batch", str(args.max_batch), "--threads", str(args.threads)]
+            "--num-slots", str(args.num_slots), "--max-batch", str(args.max_batch), "--threads", str(args.threads),
+            "--transfer-threads", str(args.transfer_threads)]
 
 
 def default_nats_url() -> str:

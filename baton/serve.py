@@ -65,7 +65,8 @@ def worker_config(role: str, cfg: Config):
                         num_pages=w.num_pages, page_size=w.page_size, num_slots=w.num_slots,
                         spec=w.spec == "mtp", draft_tokens=w.draft_tokens, draft_state=w.draft_state,
                         prefill_chunk=w.prefill_chunk, max_batch=w.max_batch,
-                        transfer_deadline_s=w.transfer_deadline_s, threads=w.threads)
+                        transfer_deadline_s=w.transfer_deadline_s, transfer_threads=w.transfer_threads,
+                        threads=w.threads)
 
 
 async def _http(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:

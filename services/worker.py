@@ -41,6 +41,7 @@ class WorkerConfig:
     prefill_chunk: int = 256
     max_batch: int = 64  # prompts per prefill batch / sequences per decode step
     transfer_deadline_s: float = 30.0
+    transfer_threads: int = 0  # prefill: TransferAgent(copy_threads=), parallel chunks of one WRITE
     threads: int = 0  # torch threads; 0 = leave torch's default
 
     def __post_init__(self) -> None:

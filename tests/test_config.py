@@ -58,12 +58,14 @@ def test_cli_flags_override_env_and_file_and_absent_flags_do_not(tmp_path, monke
 
 
 def test_serve_builds_the_worker_config_from_all_layers(tmp_path, monkeypatch):
-    path = write(tmp_path, "[worker]\nprefill_chunk = 128\ntransfer_deadline_s = 7\n[router]\nmax_in_flight = 3\n")
+    path = write(tmp_path, "[worker]\nprefill_chunk = 128\ntransfer_deadline_s = 7\ntransfer_threads = 3\n"
+                           "[router]\nmax_in_flight = 3\n")
     monkeypatch.setenv("BATON_WORKER_KV_MODE", "paged")
     args = cli.parser().parse_args(["serve", "prefill", "--config", str(path), "--draft-state", "cold", "--spec", "off"])
     cfg = cli.effective_config(args)
     w = worker_config("prefill", cfg)
-    assert (w.mode, w.draft_state, w.spec, w.prefill_chunk, w.transfer_deadline_s) == ("paged", "cold", False, 128, 7.0)
+    assert (w.mode, w.draft_state, w.spec, w.prefill_chunk, w.transfer_deadline_s, w.transfer_threads) == (
+        "paged", "cold", False, 128, 7.0, 3)
     assert w.worker_id.startswith("prefill-")
     assert router_config(cfg).max_in_flight == 3
 

@@ -68,7 +68,8 @@ def test_greedy_exact_with_speculation_off():
 
 
 def test_several_prefill_and_decode_workers_share_requests_exactly():
-    with running_cluster(prefill=2, decode=2, worker_args=["--kv-mode", "paged"]) as cluster:
+    # prefill copies each WRITE on two extra threads here (the default is none): the same tokens
+    with running_cluster(prefill=2, decode=2, worker_args=["--kv-mode", "paged", "--transfer-threads", "2"]) as cluster:
         batch = prompts(8) * 2
         check_exact(batch, asyncio.run(generate_all(cluster.nats_url, batch)), 3)
         loads = asyncio.run(wait_all_free(cluster.nats_url, min_requests=len(batch) + 1))  # + the warm-up

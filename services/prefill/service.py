@@ -62,7 +62,8 @@ class PrefillWorker:
                                                                      config.draft_state), config.prefill_chunk)
         self.send_draft = send_draft
         self.manifest = self.store.manifest(config.worker_id, fingerprint(config.model), role="prefill")
-        self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=peer_lookup(bus))
+        self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=peer_lookup(bus),
+                                   copy_threads=config.transfer_threads)
         self.engine = EngineThread()
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.jobs = Jobs()
