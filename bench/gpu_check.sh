@@ -6,7 +6,9 @@
 # 1. finds or builds a Python with a CUDA build of torch and triton:
 #      - GPU_PYTHON=<python> when set: an interpreter that already has CUDA torch and triton (a
 #        GPU image's own); nothing is installed into it, the checkout goes on its PYTHONPATH, and
-#        steps whose packages it lacks (nixl-cu12 for the transfer step) are skipped, with a line, else
+#        steps whose packages it lacks (nixl-cu12 for the transfer step) are skipped, with a line;
+#        EXTRA_WHEELS=<dir> (e.g. a carried nixl_cu12 wheel) installs that folder's wheels into a
+#        temporary folder on PYTHONPATH first (offline, no dependencies), else
 #      - .venv when its torch already sees a GPU, else
 #      - $GPU_VENV (default .venv-gpu): torch==2.13.0 from pip's configured index, or
 #        TORCH_INDEX_URL=<index> (an index that serves CUDA wheels), or WHEELHOUSE=<dir> (offline
@@ -15,7 +17,9 @@
 #    CUDA by themselves when torch sees one)
 # 3. runs the kernel micro-benchmark (bench/kernels.py: Triton vs torch reference / SDPA) in bf16 and fp16
 # 4. runs the NIXL transfer benchmark (bench/transfer.py) with VRAM when it has such an option,
-#    else in DRAM (allocator page tables after churn, as Baton makes them), and says so
+#    else in DRAM (allocator page tables after churn, as Baton makes them), and says so; in DRAM
+#    once per number of copy threads in $COPY_THREADS (default "0 4 8": a many-core host is where
+#    parallel copies should pay off)
 # Everything it prints also lands in $OUT (default out/gpu): tests.txt, kernels_*.json, transfer.json.
 # Exit status: non-zero if any step failed (every step runs regardless).
 set -uo pipefail
@@ -43,6 +47,11 @@ importable() { "$PY" -c "import $1" 2>/dev/null; }
 if [ -n "${GPU_PYTHON:-}" ]; then
   PY=$GPU_PYTHON
   has_cuda_torch "$PY" || { echo "gpu_check: GPU_PYTHON=$PY has no torch that sees a GPU" >&2; exit 3; }
+  if [ -n "${EXTRA_WHEELS:-}" ]; then
+    SITE=$(mktemp -d)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$EXTRA_WHEELS"/*.whl || exit 3
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  fi
   if ! importable baton.kernels; then  # the package layout of pyproject.toml, without pip
     FARM=$(mktemp -d)
     mkdir "$FARM/baton"
@@ -99,7 +108,10 @@ elif grep -q -- "--device" <<<"$HELP"; then
   step transfer "$PY" bench/transfer.py --device cuda --json "$OUT/transfer.json"
 else
   echo "=== transfer: bench/transfer.py has no VRAM option yet (--vram / --mem / --device): DRAM only"
-  step transfer "$PY" bench/transfer.py --shape churn --json "$OUT/transfer.json"
+  for t in ${COPY_THREADS:-0 4 8}; do
+    step "transfer_t$t" "$PY" bench/transfer.py --shape churn --sizes 1M,16M,64M,256M --iters 10 \
+      --copy-threads "$t" --json "$OUT/transfer_t$t.json"
+  done
 fi
 
 if [ ${#FAILED[@]} -gt 0 ]; then
