@@ -141,9 +141,11 @@ class Prefill:
             self.proc.kill()
 
 
-@pytest.fixture(scope="module")
-def prefill():
-    p = Prefill("prefill-0")
+@pytest.fixture(scope="module", params=[0, 2], ids=["one-copy-thread", "two-copy-threads"])
+def prefill(request):
+    """Every test runs against a sender copying on its NIXL thread, and against one whose large
+    WRITEs are split over two copy threads (NIXL's UCX thread pool)."""
+    p = Prefill(f"prefill-{request.param}", copy_threads=request.param)
     yield p
     p.stop()
 
@@ -260,32 +262,27 @@ def test_plan_regions_arrive_byte_exact(prefill):
     asyncio.run(decode_session(prefill, scenario))
 
 
-def test_copy_threads_split_a_write_and_it_still_arrives_byte_exact():
-    """A sender with copy threads (NIXL's UCX thread pool) cuts a WRITE of at least
-    SPLIT_DESCRIPTORS whole items into chunks copied by different threads; the bytes, the tag and
-    the free lists must come out as with one thread. Prompt 0..23 fills 3 pages and the ring slot
-    in both layers: 6 + 2 whole items and the aux row in one WRITE."""
-    threaded = Prefill("prefill-threaded", copy_threads=2)
-
+def test_a_write_of_many_whole_items_arrives_byte_exact(prefill):
+    """A sender with copy threads cuts a WRITE of at least SPLIT_DESCRIPTORS whole items into
+    chunks copied by different threads; the bytes, the tag and the free lists must come out as
+    with one thread. Prompt 0..23 fills 3 pages and the ring slot in both layers: 6 + 2 whole
+    items and the aux row in one WRITE."""
     async def scenario(decode: Decode, name: str):
-        requests = [await start_request(threaded, decode, name, 16, 23),
-                    await start_request(threaded, decode, name, 14, 18)]  # wraps the ring
+        requests = [await start_request(prefill, decode, name, 16, 23),
+                    await start_request(prefill, decode, name, 14, 18)]  # wraps the ring
         item_bytes = {key: g[2] for key, g in GEOMETRY.items()}
         whole = [d for d in requests[0][1] if d.nbytes == item_bytes[d.component_key]]
         assert len(whole) >= SPLIT_DESCRIPTORS
         assert {(await decode.event()).tag for _ in requests} == {r[0] for r in requests}
         for tag, descriptors, rid in requests:
-            result = await threaded.reply(rid)
+            result = await prefill.reply(rid)
             assert result.ok and result.nbytes == sum(d.nbytes for d in descriptors)
-            assert [decode.dst_bytes(d) for d in descriptors] == await threaded.call("read", descriptors)
+            assert [decode.dst_bytes(d) for d in descriptors] == await prefill.call("read", descriptors)
             assert int.from_bytes(decode.dst_bytes(descriptors[-1])[:8], "little") == tag
             decode.release(tag)
         assert decode.untouched_is_zero(requests[0][1] + requests[1][1])
 
-    try:
-        asyncio.run(decode_session(threaded, scenario))
-    finally:
-        threaded.stop()
+    asyncio.run(decode_session(prefill, scenario))
 
 
 def test_failed_write_is_an_error_on_both_sides_and_frees_after_it_ends(prefill):

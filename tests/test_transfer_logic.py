@@ -10,6 +10,7 @@ import pytest
 
 from baton.shared.transfer import (AUX_KEY, ArrivalEvent, ArrivalTracker, Descriptor,
                                    DescriptorError, EventKind, Faults, Region, TransferMetrics)
+from baton.shared.transfer.nixl_ops import Xfer, cancel
 from baton.shared.transfer.nixl_thread import _Inbox
 from baton.shared.transfer.notices import Kind, Notice, decode
 from baton.shared.transfer.regions import RegionTable, resolve, write_tag
@@ -234,3 +235,35 @@ def test_nixl_thread_inbox_is_fifo_times_out_and_wakes_a_waiting_get():
             inbox.get(0.001)
     finally:
         inbox.close()
+
+
+class _Handle:
+    def __init__(self, refuse: bool = False):
+        self.refuse, self.released = refuse, 0
+
+    def release(self):
+        self.released += 1
+        if self.refuse:
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+
+
+def _in_flight(handle: _Handle) -> Xfer:
+    batch = resolve([aux()], table("a"), table("b", base=BASE << 1))[0]
+    return Xfer(batch, b"", state="PROC", handle=handle)
+
+
+def test_cancel_releases_in_flight_writes_unless_refused_or_copy_threads_run_them(caplog):
+    done, accepted, refused, threaded = _Handle(), _Handle(), _Handle(refuse=True), _Handle()
+    xfers = [_in_flight(accepted), _in_flight(refused)]
+    finished = _in_flight(done)
+    finished.state = "DONE"
+    cancel(None, xfers + [finished])
+    assert [x.state for x in xfers] == ["CANCELLED", "PROC"] and xfers[1].cancel_refused
+    assert done.released == 0  # a finished WRITE is not cancelled
+    # an agent with copy threads never releases a WRITE in flight: it is waited for instead
+    on_threads = _in_flight(threaded)
+    cancel(None, [on_threads], releasable=False)
+    cancel(None, [on_threads], releasable=False)
+    assert threaded.released == 0 and on_threads.state == "PROC" and on_threads.cancel_refused
+    warnings = [r.getMessage() for r in caplog.records if "cannot be cancelled" in r.getMessage()]
+    assert len(warnings) == 2 and "copy threads" in warnings[1]  # once per WRITE

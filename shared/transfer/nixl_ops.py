@@ -93,11 +93,17 @@ def refresh(agent, xfers: list[Xfer]) -> None:
                 x.state, x.error = "ERR", f"{type(e).__name__}: {e}"
 
 
-def cancel(agent, xfers: list[Xfer]) -> None:
-    """Release WRITEs still in flight; NIXL cancels them or refuses, and then they stay PROC."""
+def cancel(agent, xfers: list[Xfer], releasable: bool = True) -> None:
+    """Release WRITEs still in flight; NIXL cancels them or refuses, and then they stay PROC.
+
+    `releasable=False` (an agent with copy threads) never releases: NIXL's UCX thread pool
+    accepts the release of a split WRITE while its chunks may still be copying on other
+    workers, so the slots could be reused under a live WRITE. Such a WRITE is waited for."""
     for x in xfers:
         if x.state == "PROC":
             try:
+                if not releasable:
+                    raise RuntimeError("its chunks may still be copying on the agent's copy threads")
                 x.handle.release()
                 x.state = "CANCELLED"
             except Exception as e:

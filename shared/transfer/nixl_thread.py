@@ -66,6 +66,7 @@ def create_agent(name: str, copy_threads: int = 0) -> Any:
 
 class NixlThread:
     def __init__(self, name: str, copy_threads: int = 0):
+        self.copy_threads = copy_threads
         self.expecting: Callable[[], bool] = lambda: False  # read on the NIXL thread: must be cheap and safe
         self._calls = _Inbox()
         self._held: Notifications = {}  # collected, not yet handed to a sink (NIXL thread only)

@@ -155,7 +155,7 @@ class Sender:
                 self._post(job, dest, xfers)
             await job.wake
             if not job.landed.done():  # stopped early: abort, deadline, peer gone, cancelled
-                await self._nixl.run(nixl_ops.cancel, xfers)
+                await self._nixl.run(nixl_ops.cancel, xfers, self._nixl.copy_threads == 0)
                 await job.landed  # cancelled, or finished if NIXL could not cancel
             return self._finish(tag, job, xfers, time.monotonic() - start)
         finally:
