@@ -51,9 +51,11 @@ def create_agent(name: str, copy_threads: int = 0) -> Any:
     """A NIXL agent with the UCX backend, without NIXL's progress thread (above).
 
     `copy_threads` > 0 gives the backend that many extra UCX workers, each with its own thread
-    (NIXL's UCX thread-pool engine): a WRITE of at least SPLIT_DESCRIPTORS descriptors is cut into
-    up to `copy_threads` chunks of consecutive descriptors that copy in parallel, `transfer()`
-    returning once every chunk is posted (over `cma`: copied). 0 copies on the calling thread."""
+    (NIXL's UCX thread-pool engine): a WRITE of at least SPLIT_DESCRIPTORS descriptors (after
+    NIXL merges adjacent items) is cut into chunks of consecutive descriptors, about one per
+    thread, that copy in parallel; `transfer()` returns once every chunk is posted (over `cma`:
+    copied) and the WRITE reads DONE once the threads have marked their chunks done. Such a WRITE
+    must not be released while in flight (`nixl_ops.cancel`). 0: the calling thread copies."""
     from nixl_cu12 import _api  # not the `nixl` shim: no CUDA torch
 
     if copy_threads < 0:
