@@ -31,7 +31,9 @@ pages, to see what huge pages are worth); the copy baselines always are. Columns
   copy1    contiguous copy of S bytes in this process on one thread (`np.copyto`, a memcpy; a
            NIXL WRITE over cma is one copying thread too)
   copyN    contiguous `dst.copy_(src)` of S bytes with torch (default thread count)
-  ratio    write / copy1;  ratioN  write / copyN
+  copyT    the same on as many threads as the WRITE copies on (`--copy-threads`, at least 1):
+           a memcpy with the same cores
+  ratio    write / copy1;  ratioN  write / copyN;  ratioT  write / copyT
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ SHAPES = ("random", "churn", "contiguous")
 CHURN_ROUNDS = 8
 COLUMNS = {"write": "write_gbps", "arrive": "arrive_gbps", "nixl": "nixl_gbps", "nixl/pg": "nixl_pages_gbps",
            "cma": "cma_gbps",
-           "copy1": "copy1_gbps", "copyN": "copyn_gbps", "ratio": "ratio", "ratioN": "ratio_n"}
+           "copy1": "copy1_gbps", "copyN": "copyn_gbps", "copyT": "copyt_gbps", "ratio": "ratio",
+           "ratioN": "ratio_n", "ratioT": "ratio_t"}
 
 
 def parse_size(text: str) -> int:
@@ -251,7 +254,8 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
     bare NIXL WRITE and as raw cma copies; a one-thread memcpy of as many bytes. The
     multi-threaded torch copies run afterwards: torch's OpenMP workers spin after a parallel op
     and would steal a core from the next WRITE."""
-    times: dict[str, list[float]] = {k: [] for k in ("write", "arrive", "nixl", "nixl_pages", "cma", "copy1", "copyn")}
+    times: dict[str, list[float]] = {k: [] for k in ("write", "arrive", "nixl", "nixl_pages", "cma", "copy1", "copyn",
+                                                           "copyt")}
     counts = []  # descriptors per request (churn: each iteration has its own page tables)
     for i in range(args.warmup + args.iters):
         requests = plan(payload, args.layers, args.pages, args.page_kib << 10, rng, args.shape, args.inflight)
@@ -285,11 +289,14 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
         if i >= args.warmup:
             for k, v in sample.items():
                 times[k].append(v)
-    for i in range(args.warmup + args.iters):
-        args.sweep()
-        copyn = timed(dst.copy_, src)
-        if i >= args.warmup:
-            times["copyn"].append(copyn)
+    for key, threads in (("copyn", args.torch_threads), ("copyt", max(1, args.copy_threads))):
+        torch.set_num_threads(threads)
+        for i in range(args.warmup + args.iters):
+            args.sweep()
+            seconds = timed(dst.copy_, src)
+            if i >= args.warmup:
+                times[key].append(seconds)
+    torch.set_num_threads(args.torch_threads)
     for r in requests:  # the last iteration's bytes arrived where they should
         d = r[-2]
         conn.send(("read", d.component_key, d.layer_index, d.dst_offset, d.nbytes))
@@ -298,7 +305,8 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
     return {"payload_bytes": nbytes // len(requests), "inflight": len(requests),
             "descriptors": int(statistics.median(counts)),
             **{f"{k}_gbps": v for k, v in gbps.items()}, "ratio": gbps["write"] / gbps["copy1"],
-            "ratio_n": gbps["write"] / gbps["copyn"], "write_ms": statistics.median(times["write"]) * 1e3,
+            "ratio_n": gbps["write"] / gbps["copyn"], "ratio_t": gbps["write"] / gbps["copyt"],
+            "write_ms": statistics.median(times["write"]) * 1e3,
             "tag": tag}
 
 

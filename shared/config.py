@@ -111,8 +111,8 @@ class WorkerSection:
     prefill_chunk: int = key(256, "prompt tokens per prefill forward", between(1))
     transfer_deadline_s: float = key(30.0, "a KV transfer not complete by then is aborted", positive)
     transfer_threads: int = key(0, "prefill: threads copying one KV WRITE in parallel chunks (NIXL's UCX thread "
-                                   "pool); 0: the agent's own thread copies. Pays off only with spare cores", between(0, 64),
-                                flag="--transfer-threads")
+                                   "pool); 0: the agent's own thread copies. Pays off only with spare cores",
+                                between(0, 64), flag="--transfer-threads")
     threads: int = key(0, "torch threads per worker (0: torch's default)", between(0), flag="--threads")
 
 

@@ -29,7 +29,7 @@ def test_transfer_bench_runs_with_requests_in_flight(tmp_path, shape, copy_threa
     assert [row["payload_bytes"] for row in report["rows"]] == [64 << 10, 1 << 20]
     for row in report["rows"]:
         assert row["inflight"] == 3
-        assert row["write_gbps"] > 0 and row["nixl_gbps"] > 0 and row["copy1_gbps"] > 0
+        assert row["write_gbps"] > 0 and row["nixl_gbps"] > 0 and row["copy1_gbps"] > 0 and row["copyt_gbps"] > 0
         assert row["nixl_pages_gbps"] > 0
 
 
