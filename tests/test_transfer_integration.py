@@ -239,48 +239,31 @@ async def start_request(prefill: Prefill, decode: Decode, name: str, first: int,
 
 
 def test_plan_regions_arrive_byte_exact(prefill):
+    """Three requests in flight at once: ring window without wrap (rows 3..7), wrapped (6..7,
+    0..2), and prompt 0..23, which fills 3 pages and the ring slot in both layers: 6 + 2 whole
+    items and the aux row in one WRITE, enough for a sender with copy threads to cut it into
+    chunks copied by different threads."""
     async def scenario(decode: Decode, name: str):
-        # two requests in flight at once: ring window without wrap (rows 3..7), and wrapped (6..7, 0..2)
         a = await start_request(prefill, decode, name, 3, 7)
         b = await start_request(prefill, decode, name, 14, 18)
+        c = await start_request(prefill, decode, name, 16, 23)
         assert len([d for d in b[1] if d.component_key == RING]) == 4  # two runs per layer
-        events = {(await decode.event()).tag: None for _ in range(2)}
-        assert set(events) == {a[0], b[0]}
-        for tag, descriptors, rid in (a, b):
+        item_bytes = {key: g[2] for key, g in GEOMETRY.items()}
+        assert len([d for d in c[1] if d.nbytes == item_bytes[d.component_key]]) >= SPLIT_DESCRIPTORS
+        events = {(await decode.event()).tag: None for _ in range(3)}
+        assert set(events) == {a[0], b[0], c[0]}
+        for tag, descriptors, rid in (a, b, c):
             result = await prefill.reply(rid)
             assert result.ok and result.nbytes == sum(d.nbytes for d in descriptors)
             sent = await prefill.call("read", descriptors)
             assert [decode.dst_bytes(d) for d in descriptors] == sent
             aux = decode.dst_bytes(descriptors[-1])
             assert int.from_bytes(aux[:8], "little") == tag
-        assert decode.untouched_is_zero(a[1] + b[1])
-        assert decode.agent.metrics.peer(prefill.name).arrivals == 2
+        assert decode.untouched_is_zero(a[1] + b[1] + c[1])
+        assert decode.agent.metrics.peer(prefill.name).arrivals == 3
         assert decode.agent.arrivals.events.empty()
-        decode.release(a[0])
-        decode.release(b[0])
-
-    asyncio.run(decode_session(prefill, scenario))
-
-
-def test_a_write_of_many_whole_items_arrives_byte_exact(prefill):
-    """A sender with copy threads cuts a WRITE of at least SPLIT_DESCRIPTORS whole items into
-    chunks copied by different threads; the bytes, the tag and the free lists must come out as
-    with one thread. Prompt 0..23 fills 3 pages and the ring slot in both layers: 6 + 2 whole
-    items and the aux row in one WRITE."""
-    async def scenario(decode: Decode, name: str):
-        requests = [await start_request(prefill, decode, name, 16, 23),
-                    await start_request(prefill, decode, name, 14, 18)]  # wraps the ring
-        item_bytes = {key: g[2] for key, g in GEOMETRY.items()}
-        whole = [d for d in requests[0][1] if d.nbytes == item_bytes[d.component_key]]
-        assert len(whole) >= SPLIT_DESCRIPTORS
-        assert {(await decode.event()).tag for _ in requests} == {r[0] for r in requests}
-        for tag, descriptors, rid in requests:
-            result = await prefill.reply(rid)
-            assert result.ok and result.nbytes == sum(d.nbytes for d in descriptors)
-            assert [decode.dst_bytes(d) for d in descriptors] == await prefill.call("read", descriptors)
-            assert int.from_bytes(decode.dst_bytes(descriptors[-1])[:8], "little") == tag
+        for tag, _, _ in (a, b, c):
             decode.release(tag)
-        assert decode.untouched_is_zero(requests[0][1] + requests[1][1])
 
     asyncio.run(decode_session(prefill, scenario))
 
