@@ -100,17 +100,20 @@ def cancel(agent, xfers: list[Xfer], releasable: bool = True) -> None:
     accepts the release of a split WRITE while its chunks may still be copying on other
     workers, so the slots could be reused under a live WRITE. Such a WRITE is waited for."""
     for x in xfers:
-        if x.state == "PROC":
+        if x.state != "PROC":
+            continue
+        refusal = "its chunks may still be copying on the agent's copy threads"
+        if releasable:
             try:
-                if not releasable:
-                    raise RuntimeError("its chunks may still be copying on the agent's copy threads")
                 x.handle.release()
                 x.state = "CANCELLED"
+                continue
             except Exception as e:
-                if not x.cancel_refused:
-                    log.warning("WRITE of %s cannot be cancelled (%s); waiting for it to end",
-                                ",".join(x.batch.components), e)
-                x.cancel_refused = True
+                refusal = str(e)
+        if not x.cancel_refused:
+            log.warning("WRITE of %s cannot be cancelled (%s); waiting for it to end",
+                        ",".join(x.batch.components), refusal)
+        x.cancel_refused = True
 
 
 def release(agent, xfers: list[Xfer]) -> None:

@@ -76,7 +76,7 @@ class NixlThread:
         self._watched: list[_Watch] = []  # NIXL thread only
         self._closed = False
         started: Future = Future()
-        self._thread = threading.Thread(target=self._main, args=(name, copy_threads, started),
+        self._thread = threading.Thread(target=self._main, args=(name, started),
                                         name=f"nixl-{name}", daemon=True)
         self._thread.start()
         started.result()
@@ -131,9 +131,9 @@ class NixlThread:
         self._sink = sink
         self._hand_over()
 
-    def _main(self, name: str, copy_threads: int, started: Future) -> None:
+    def _main(self, name: str, started: Future) -> None:
         try:
-            agent = create_agent(name, copy_threads)
+            agent = create_agent(name, self.copy_threads)
         except BaseException as e:
             started.set_exception(e)
             return
