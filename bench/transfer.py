@@ -49,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import uvloop
 
 from baton.shared.kv.allocator import IdPool
 from baton.shared.kv.descriptors import merge_runs
@@ -94,16 +95,29 @@ def regions_of(pools, page: int) -> list[Region]:
 
 # --- receiver process -------------------------------------------------------------------------
 def receiver(conn, layers: int, pages: int, page: int, huge: bool, aux_rows: int) -> None:
-    asyncio.run(_receive(conn, make_pools(layers, pages, page, fill=False, huge=huge, aux_rows=aux_rows), page))
+    uvloop.run(_receive(conn, make_pools(layers, pages, page, fill=False, huge=huge, aux_rows=aux_rows), page))
+
+
+async def received(conn):
+    """The next message on the pipe, waited for by the event loop (as a service waits on its
+    sockets: no polling that would take CPU from the WRITE being measured)."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(conn.fileno(), lambda: ready.done() or ready.set_result(None))
+    try:
+        if not conn.poll():
+            await ready
+    finally:
+        loop.remove_reader(conn.fileno())
+        os.set_blocking(conn.fileno(), True)  # uvloop made it non-blocking; recv() reads whole messages
+    return conn.recv()
 
 
 async def _receive(conn, pools, page: int) -> None:
     async with TransferAgent("bench-decode", regions_of(pools, page)) as agent:
         conn.send((agent.metadata(), regions_of(pools, page)))
         while True:
-            while not conn.poll():
-                await asyncio.sleep(0.0005)
-            op, *args = conn.recv()
+            op, *args = await received(conn)
             if op == "stop":
                 return
             if op == "expect":  # [(tag, aux_offset)], components: ack now, report the last event later
@@ -273,9 +287,7 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
         t0 = time.monotonic()
         results = await asyncio.gather(*(agent.write("bench-decode", r, t, 30.0) for t, r in zip(tags, requests)))
         t1 = time.monotonic()
-        while not conn.poll():
-            await asyncio.sleep(0.0005)
-        kinds, arrived = conn.recv()
+        kinds, arrived = await received(conn)
         assert all(r.ok for r in results) and kinds == [EventKind.ARRIVED.value], (results, kinds)
         every = [d for r in requests for d in r]
         pages = per_page(every, args.page_kib << 10)
@@ -379,7 +391,7 @@ def main() -> None:
           f"{args.inflight} request(s) in flight, copy threads {args.copy_threads}, "
           f"torch threads {args.torch_threads}, UCX_TLS={os.environ.get('UCX_TLS', '(default)')}")
     print(f"{'MiB':>9} {'descs':>6} " + " ".join(f"{c:>7}" for c in COLUMNS))
-    rows = asyncio.run(send(args, conn, pools))
+    rows = uvloop.run(send(args, conn, pools))  # the loop the services run on
     child.join(10)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
