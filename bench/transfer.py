@@ -49,7 +49,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import uvloop
+
+try:
+    import uvloop  # the loop the services run on
+except ImportError:  # e.g. a GPU image's own Python (bench/gpu_check.sh): asyncio's own loop
+    uvloop = None
 
 from baton.shared.kv.allocator import IdPool
 from baton.shared.kv.descriptors import merge_runs
@@ -95,7 +99,11 @@ def regions_of(pools, page: int) -> list[Region]:
 
 # --- receiver process -------------------------------------------------------------------------
 def receiver(conn, layers: int, pages: int, page: int, huge: bool, aux_rows: int) -> None:
-    uvloop.run(_receive(conn, make_pools(layers, pages, page, fill=False, huge=huge, aux_rows=aux_rows), page))
+    run(_receive(conn, make_pools(layers, pages, page, fill=False, huge=huge, aux_rows=aux_rows), page))
+
+
+def run(coro):
+    return uvloop.run(coro) if uvloop is not None else asyncio.run(coro)
 
 
 async def received(conn):
@@ -389,9 +397,10 @@ def main() -> None:
     args.sweep = CacheSweep()
     print(f"pages {args.shape}, {args.page_kib} KiB, {'4 KiB' if args.small_pages else '2 MiB'} memory pages, "
           f"{args.inflight} request(s) in flight, copy threads {args.copy_threads}, "
-          f"torch threads {args.torch_threads}, UCX_TLS={os.environ.get('UCX_TLS', '(default)')}")
+          f"torch threads {args.torch_threads}, UCX_TLS={os.environ.get('UCX_TLS', '(default)')}, "
+          f"{'uvloop' if uvloop is not None else 'asyncio loop (no uvloop)'}")
     print(f"{'MiB':>9} {'descs':>6} " + " ".join(f"{c:>7}" for c in COLUMNS))
-    rows = uvloop.run(send(args, conn, pools))  # the loop the services run on
+    rows = run(send(args, conn, pools))
     child.join(10)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -400,6 +409,7 @@ def main() -> None:
                                          "shape": args.shape, "huge_pages": not args.small_pages, "iters": args.iters,
                                          "inflight": args.inflight, "copy_threads": args.copy_threads,
                                          "torch_threads": args.torch_threads, "ucx_env": env,
+                                         "event_loop": "uvloop" if uvloop is not None else "asyncio",
                                          "rows": rows}, indent=2))
 
 
