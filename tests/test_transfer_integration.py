@@ -106,6 +106,7 @@ class Prefill:
     def __init__(self, name: str, copy_threads: int = 0):
         ctx = mp.get_context("spawn")
         self.name = name
+        self.copy_threads = copy_threads
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=prefill_main, args=(child, name, copy_threads), daemon=True)
         self.proc.start()
@@ -298,6 +299,40 @@ def test_delayed_write_keeps_slots_held_past_the_deadline_until_it_lands(prefill
         await prefill.call("faults", {})
         assert result.status is TransferStatus.ABORTED
         assert at_release == await prefill.call("read", descriptors)  # landed before the release
+        decode.release(tag)
+
+    asyncio.run(decode_session(prefill, scenario))
+
+
+def test_a_receiver_that_stops_progressing_gets_its_slots_back_only_after_the_write_ended(prefill):
+    """Decode's NIXL thread stalls (a process that hangs but keeps its connections): a WRITE to it
+    cannot complete, because NIXL ends every WRITE with an endpoint flush that waits for the
+    receiver's UCX progress (docs/benchmarks.md, stop 18). A sender copying on its NIXL thread
+    cancels the WRITE at its deadline and fails the request then. With copy threads a WRITE is
+    never released in flight, so it is waited for and lands once decode progresses again. Either
+    way decode returns its slots only after prefill reported the WRITE ended, and the bytes it
+    holds then are the sender's."""
+    stall_s = 1.5
+
+    async def scenario(decode: Decode, name: str):
+        tag, descriptors, _ = await start_request(prefill, decode, name, 16, 23, deadline_s=0.3, write=False)
+        t0 = time.monotonic()
+        decode.agent._nixl.submit(lambda agent: time.sleep(stall_s))  # no UCX progress meanwhile
+        rid = prefill.send("write", name, descriptors, tag, 0.5)
+        failed = await decode.event()
+        assert failed.kind is EventKind.FAILED and "deadline" in failed.reason
+        assert time.monotonic() - t0 < stall_s
+        result = await prefill.reply(rid)
+        ended = time.monotonic() - t0
+        if prefill.copy_threads:
+            assert ended >= stall_s and result.status in (TransferStatus.DONE, TransferStatus.ABORTED)
+        else:
+            assert ended < stall_s and result.status is TransferStatus.FAILED and "deadline" in result.error
+        release = await decode.event()
+        assert (release.tag, release.kind) == (tag, EventKind.RELEASE)
+        assert time.monotonic() - t0 >= stall_s  # decode heard nothing while it was stalled
+        if prefill.copy_threads:  # the WRITE was not cut short: everything landed
+            assert [decode.dst_bytes(d) for d in descriptors] == await prefill.call("read", descriptors)
         decode.release(tag)
 
     asyncio.run(decode_session(prefill, scenario))
