@@ -74,6 +74,10 @@ async def _prefill(conn, name: str, copy_threads: int) -> None:
             free[key] |= set(ids)
         conn.send((rid, result))
 
+    async def remove_peer(rid, peer):  # may wait for a WRITE to it: not inline, like write
+        await agent.remove_peer(peer)
+        conn.send((rid, None))
+
     async with TransferAgent(name, regions_of(pools), copy_threads=copy_threads) as agent:
         conn.send(("ready", (agent.metadata(), regions_of(pools))))
         while True:
@@ -82,8 +86,8 @@ async def _prefill(conn, name: str, copy_threads: int) -> None:
             op, rid, args = conn.recv()
             if op == "stop":
                 break
-            if op == "write":
-                tasks.add(asyncio.create_task(write(rid, *args)))
+            if op in ("write", "remove_peer"):
+                tasks.add(asyncio.create_task((write if op == "write" else remove_peer)(rid, *args)))
                 continue
             if op == "add_peer":
                 reply = await agent.add_peer(*args)
@@ -337,6 +341,53 @@ def test_a_receiver_that_stops_progressing_gets_its_slots_back_only_after_the_wr
         assert (release.tag, release.kind) == (tag, EventKind.RELEASE) and resumed.is_set()
         if prefill.copy_threads:  # the WRITE was not cut short: everything landed
             assert [decode.dst_bytes(d) for d in descriptors] == await prefill.call("read", descriptors)
+        decode.release(tag)
+
+    asyncio.run(decode_session(prefill, scenario))
+
+
+def test_removing_a_hung_peer_waits_for_its_write_and_holds_up_no_other_peer(prefill):
+    """Prefill removes a decode (its lease expired) that hangs with a WRITE to it in flight:
+    decode's NIXL thread is stalled, so the WRITE cannot complete. The removal stops the WRITE
+    before it disconnects: cancelled at once, or, with copy threads, waited for until decode
+    progresses again and it lands. From the removal's start no new WRITE to it begins, and
+    meanwhile another decode is added and served."""
+    stalled = threading.Event()
+    resumed = threading.Event()
+
+    def stall(agent) -> None:  # on decode's NIXL thread: no UCX progress for 2 s
+        stalled.set()
+        time.sleep(2.0)
+        resumed.set()
+
+    async def scenario(decode: Decode, name: str):
+        tag, descriptors, _ = await start_request(prefill, decode, name, 16, 23, write=False)
+        decode.agent._nixl.submit(stall)
+        assert stalled.wait(5.0)
+        rid = prefill.send("write", name, descriptors, tag, 5.0)
+        removal = prefill.send("remove_peer", name)
+        late = await prefill.call("write", name, descriptors, next(TAGS), 5.0)  # no WRITE starts any more
+        assert late.status is TransferStatus.FAILED and "unknown peer" in late.error and not resumed.is_set()
+        other_pools, other_name = make_pools(None), f"decode-{next(TAGS)}"
+        async with TransferAgent(other_name, regions_of(other_pools)) as agent:
+            await agent.add_peer(prefill.name, prefill.metadata, prefill.regions)
+            await prefill.call("add_peer", other_name, agent.metadata(), regions_of(other_pools))
+            other = Decode(agent, other_pools)
+            other_tag, _, other_rid = await start_request(prefill, other, other_name, 0, 4)
+            assert (await other.event()).kind is EventKind.ARRIVED and (await prefill.reply(other_rid)).ok
+            other.release(other_tag)
+        assert not resumed.is_set()  # all of that while the hung peer's removal may still wait
+        result = await prefill.reply(rid)
+        await prefill.reply(removal)
+        if prefill.copy_threads:
+            assert resumed.is_set() and result.ok  # not cut short: it landed, and decode sees it
+            assert (await decode.event()).kind is EventKind.ARRIVED
+            assert [decode.dst_bytes(d) for d in descriptors] == await prefill.call("read", descriptors)
+        else:
+            assert not resumed.is_set() and result.status is TransferStatus.FAILED and "left" in result.error
+            await decode.agent.remove_peer(prefill.name)  # decode lets go of the request only now
+            while (event := await decode.event()).kind is not EventKind.RELEASE:
+                assert event.kind is EventKind.FAILED
         decode.release(tag)
 
     asyncio.run(decode_session(prefill, scenario))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import defaultdict
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -62,7 +63,10 @@ class TransferAgent:
         self.arrivals = ArrivalTracker(self._send, aux[0] if aux else None, self.metrics)
         self._lookup = lookup
         self._peers: dict[str, _Peer] = {}
-        self._peers_lock = asyncio.Lock()
+        self._leaving: dict[str, _Peer] = {}  # being removed: no new WRITE, notices still go out
+        # adding and removing one peer happen in order; a removal waiting for a WRITE to a hung
+        # peer (copy threads: not cancellable) holds up only that peer, not adding others
+        self._peer_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._tasks: list[asyncio.Task] = []
         self._sending: set[asyncio.Task] = set()  # notices waiting for a peer lookup
         self._inbox: asyncio.Queue[Notifications] = asyncio.Queue()
@@ -105,9 +109,10 @@ class TransferAgent:
             task.cancel()
             with suppress(asyncio.CancelledError):
                 await task
-        for name, peer in list(self._peers.items()):
+        for name, peer in [*self._peers.items(), *self._leaving.items()]:
             await self._nixl.run(nixl_ops.disconnect, name, peer.dest.items)
         self._peers.clear()
+        self._leaving.clear()
         await self._nixl.run(nixl_ops.deregister, self._reg, self._items)
         self._nixl.close()
 
@@ -116,11 +121,11 @@ class TransferAgent:
         """Load a peer's metadata and prepare its regions (from the validated manifest). A known
         peer with the same metadata is a no-op; new metadata means a restarted peer: the old
         one is removed first. Raises ValueError for bad metadata or regions."""
-        async with self._peers_lock:
+        async with self._peer_locks[name]:
             known = self._peers.get(name)
             if known is not None and known.metadata == metadata and known.dest.table.regions == list(regions):
                 return
-            if known is not None:
+            if known is not None or name in self._leaving:  # restarted, or a removal was cancelled
                 await self._remove(name)
             table = RegionTable(regions, f"peer {name!r}")
             try:
@@ -134,15 +139,21 @@ class TransferAgent:
             self._peers[name] = _Peer(metadata, Destination(table, items))
 
     async def remove_peer(self, name: str) -> None:
-        """The peer left or its lease expired: stop our writes to it (waiting until none is in
-        flight), forget it, and release every request expected from it (`arrivals`)."""
-        async with self._peers_lock:
+        """The peer left or its lease expired: forget it (no new WRITE to it starts), stop our
+        writes to it and wait until none is in flight, disconnect, and release every request
+        expected from it (`arrivals`)."""
+        async with self._peer_locks[name]:
             await self._remove(name)
 
     async def _remove(self, name: str) -> None:
-        await self._sender.stop(f"peer {name!r} left", peer=name)
-        peer = self._peers.pop(name, None)
+        """Forget the peer first, so that no WRITE to it starts while ours in flight are stopped
+        and waited for; disconnect only then. Its notices (FAILED, ABORTED) still go out, before
+        the disconnect."""
+        peer = self._peers.pop(name, None) or self._leaving.get(name)
         if peer is not None:
+            self._leaving[name] = peer
+        await self._sender.stop(f"peer {name!r} left", peer=name)
+        if peer is not None and self._leaving.pop(name, None) is not None:  # else close() did it
             await self._nixl.run(nixl_ops.disconnect, name, peer.dest.items)
         self.arrivals.peer_gone(name)
 
@@ -168,7 +179,7 @@ class TransferAgent:
     # --- notifications -----------------------------------------------------------------------
     def _send(self, peer: str, notice: Notice) -> None:
         """Queue a notice without waiting; an unknown peer is looked up first (in a task)."""
-        if peer in self._peers or self._lookup is None:
+        if peer in self._peers or peer in self._leaving or self._lookup is None:
             self._nixl.submit(nixl_ops.notify, peer, notice.encode())
         else:
             task = asyncio.get_running_loop().create_task(self._send_after_lookup(peer, notice))
