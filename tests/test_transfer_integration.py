@@ -203,6 +203,22 @@ async def decode_session(prefill: Prefill, scenario) -> None:
     assert await prefill.call("free_counts") == {k: len(v) for k, v in full_free_lists().items()}
 
 
+def stall(agent: TransferAgent, seconds: float = 2.0) -> threading.Event:
+    """Stop `agent`'s NIXL thread, so it makes no UCX progress, for `seconds` from when this
+    returns: a process that hangs but keeps its connections open. Returns an event set once the
+    thread runs again."""
+    started, resumed = threading.Event(), threading.Event()
+
+    def hang(nixl_agent) -> None:
+        started.set()
+        time.sleep(seconds)
+        resumed.set()
+
+    agent._nixl.submit(hang)
+    assert started.wait(5.0)
+    return resumed
+
+
 WANT = {FULL: 3, RING: 1, AUX_KEY: 1}
 
 
@@ -317,18 +333,9 @@ def test_a_receiver_that_stops_progressing_gets_its_slots_back_only_after_the_wr
     never released in flight, so it is waited for and lands once decode progresses again. Either
     way decode returns its slots only after prefill reported the WRITE ended, and the bytes it
     holds then are the sender's."""
-    stalled = threading.Event()
-    resumed = threading.Event()
-
-    def stall(agent) -> None:  # on decode's NIXL thread: no UCX progress for 2 s
-        stalled.set()
-        time.sleep(2.0)
-        resumed.set()
-
     async def scenario(decode: Decode, name: str):
         tag, descriptors, _ = await start_request(prefill, decode, name, 16, 23, deadline_s=0.3, write=False)
-        decode.agent._nixl.submit(stall)
-        assert stalled.wait(5.0)
+        resumed = stall(decode.agent)  # no UCX progress on decode for 2 s
         rid = prefill.send("write", name, descriptors, tag, 0.5)
         failed = await decode.event()
         assert failed.kind is EventKind.FAILED and "deadline" in failed.reason and not resumed.is_set()
@@ -352,18 +359,9 @@ def test_removing_a_hung_peer_waits_for_its_write_and_holds_up_no_other_peer(pre
     before it disconnects: cancelled at once, or, with copy threads, waited for until decode
     progresses again and it lands. From the removal's start no new WRITE to it begins, and
     meanwhile another decode is added and served."""
-    stalled = threading.Event()
-    resumed = threading.Event()
-
-    def stall(agent) -> None:  # on decode's NIXL thread: no UCX progress for 2 s
-        stalled.set()
-        time.sleep(2.0)
-        resumed.set()
-
     async def scenario(decode: Decode, name: str):
         tag, descriptors, _ = await start_request(prefill, decode, name, 16, 23, write=False)
-        decode.agent._nixl.submit(stall)
-        assert stalled.wait(5.0)
+        resumed = stall(decode.agent)  # no UCX progress on decode for 2 s
         rid = prefill.send("write", name, descriptors, tag, 5.0)
         removal = prefill.send("remove_peer", name)
         late = await prefill.call("write", name, descriptors, next(TAGS), 5.0)  # no WRITE starts any more
