@@ -2,12 +2,12 @@
 
     python bench/transfer.py --json out/transfer.json
 
-The sender (this process) and the receiver (a spawned child) each hold KV-like pools: `--layers`
-regions of `--page-kib` pages, plus an aux region. A payload of S bytes is min(layers, S / page)
-layers of S / (layers * page) pages each plus one aux row, sent through `TransferAgent.write`
-(prepared per-peer lists, completion watched by the agent's NIXL thread) as the descriptors Baton's
-transfer plan makes: one per run of pages adjacent on both sides (`merge_runs`). `--shape` picks
-the page ids, on each side:
+The sender (this process) and the receiver (a spawned child), each on uvloop as the services
+are, hold KV-like pools: `--layers` regions of `--page-kib` pages, plus an aux region. A payload
+of S bytes is min(layers, S / page) layers of S / (layers * page) pages each plus one aux row,
+sent through `TransferAgent.write` (prepared per-peer lists, completion watched by the agent's
+NIXL thread) as the descriptors Baton's transfer plan makes: one per run of pages adjacent on both
+sides (`merge_runs`). `--shape` picks the page ids, on each side:
   random      drawn at random, per layer: nothing merges (the worst case)
   churn       one page table for all layers, as the KV store allocates it (`IdPool`) after random
               requests came and went, fresh each iteration
