@@ -112,7 +112,7 @@ def cancel(agent, xfers: list[Xfer], releasable: bool = True) -> None:
                 refusal = str(e)
         if not x.cancel_refused:
             log.warning("WRITE of %s cannot be cancelled (%s); waiting for it to end",
-                        ",".join(x.batch.components), refusal)
+                        x.batch.label, refusal)
         x.cancel_refused = True
 
 
@@ -125,7 +125,7 @@ def release(agent, xfers: list[Xfer]) -> None:
             for dlist in x.dlists:
                 dlist.release()
         except Exception as e:
-            log.error("releasing the WRITE of %s failed: %s", ",".join(x.batch.components), e)
+            log.error("releasing the WRITE of %s failed: %s", x.batch.label, e)
 
 
 def notify(agent, peer: str, message: bytes) -> None:

@@ -69,6 +69,11 @@ class Batch:
     local: np.ndarray
     remote: np.ndarray
 
+    @property
+    def label(self) -> str:
+        """Its components, comma-separated: how logs and errors name this WRITE."""
+        return ",".join(self.components)
+
 
 class RegionTable:
     """The regions of one agent (ours or a peer's), validated, with each region's first index in

@@ -190,7 +190,7 @@ class Sender:
             stats.writes += 1
             return TransferResult(tag, job.peer, TransferStatus.DONE, nbytes, seconds)
         self._send(job.peer, Notice(Kind.FAILED, tag))
-        errors = [f"WRITE of {','.join(x.batch.components)}: {x.error or x.state}" for x in xfers if x.state != "DONE"]
+        errors = [f"WRITE of {x.batch.label}: {x.error or x.state}" for x in xfers if x.state != "DONE"]
         hint = cma_hint() if any(x.state == "ERR" for x in xfers) else ""
         return self.failed(tag, job.peer, "; ".join(filter(None, [job.stop, *errors, hint])), seconds)
 
