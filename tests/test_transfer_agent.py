@@ -3,7 +3,9 @@ crash), lazy peers, cancellation. Cross-process behaviour is in test_transfer_in
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -54,6 +56,28 @@ def test_region_registered_twice_is_refused_before_nixl():
 def test_a_negative_number_of_copy_threads_is_refused():
     with pytest.raises(ValueError, match="copy_threads must be >= 0, got -1"):
         TransferAgent("negative", Pools().regions, copy_threads=-1)
+
+
+def test_closing_tears_the_nixl_agent_down_on_its_own_thread():
+    """NIXL is not thread safe: an agent destroyed later, by a garbage collection on another
+    thread, could tear UCX down while other agents in the process work. After WRITEs and an
+    error that crossed from the NIXL thread, closing leaves no reference to it elsewhere."""
+    died = []
+
+    async def run():
+        a, b, _, _ = await pair()
+        watched = [weakref.ref(agent._sender.items._agent, lambda _: died.append(threading.current_thread().name))
+                   for agent in (a, b)]
+        assert (await a.write("b", PLAN, 1, 5.0)).ok
+        with pytest.raises(ValueError, match="cannot add peer") as refused:  # kept past close
+            await a.add_peer("c", b"not metadata", [])
+        for agent in (a, b):
+            await agent.close()
+        return watched, refused
+
+    watched, refused = asyncio.run(run())
+    assert sorted(died) == ["nixl-a", "nixl-b"] and all(w() is None for w in watched)
+    assert "NIXL_ERR" in str(refused.value.__cause__)  # the error itself still says what happened
 
 
 def test_calls_on_a_closed_nixl_thread_fail_at_once_instead_of_waiting_forever():

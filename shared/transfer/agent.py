@@ -72,8 +72,8 @@ class TransferAgent:
         self._inbox: asyncio.Queue[Notifications] = asyncio.Queue()
         self._nixl = NixlThread(name, copy_threads)
         self._nixl.expecting = lambda: self.arrivals.pending > 0  # len() of a dict: safe from that thread
-        self._reg, self._items, self._metadata = self._nixl.call(nixl_ops.register, self.table)
-        self._sender = Sender(self._nixl, self.table, self._items, self.metrics, self._send,
+        self._reg, items, self._metadata = self._nixl.call(nixl_ops.register, self.table)
+        self._sender = Sender(self._nixl, self.table, items, self.metrics, self._send,
                               faults if faults is not None else Faults.from_env())
         if hint := cma_hint():
             log.warning(hint)
@@ -109,12 +109,19 @@ class TransferAgent:
             task.cancel()
             with suppress(asyncio.CancelledError):
                 await task
-        for name, peer in [*self._peers.items(), *self._leaving.items()]:
-            await self._nixl.run(nixl_ops.disconnect, name, peer.dest.items)
+        await self._disconnect_all()
+        await self._nixl.run(nixl_ops.deregister, self._reg, self._sender.items)
+        # NIXL's handles hold its agent, whose teardown must happen on its own thread (nixl_thread):
+        # none may be left here when that thread ends
+        self._sender.items = None
+        self._nixl.close()
+
+    async def _disconnect_all(self) -> None:
+        peers = {**self._peers, **self._leaving}
         self._peers.clear()
         self._leaving.clear()
-        await self._nixl.run(nixl_ops.deregister, self._reg, self._items)
-        self._nixl.close()
+        for name, peer in peers.items():
+            await self._nixl.run(nixl_ops.disconnect, name, peer.dest.items)
 
     # --- peers -------------------------------------------------------------------------------
     async def add_peer(self, name: str, metadata: bytes, regions: list[Region]) -> None:

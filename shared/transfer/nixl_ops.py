@@ -77,7 +77,7 @@ def post(agent, local_items: Any, peer: str, remote_items: Any, xfers: list[Xfer
                 x.handle = agent.make_prepped_xfer("WRITE", x.dlists[0], idx, x.dlists[1], idx, x.notif)
             x.state = agent.transfer(x.handle)
         except Exception as e:  # NIXL raises its own error types; the request fails, not the agent
-            x.state, x.error = "ERR", f"{type(e).__name__}: {e}"
+            x.state, x.error = "ERR", error_text(e)
             for rest in xfers[i + 1:]:
                 rest.state = "SKIPPED"
             return
@@ -90,7 +90,7 @@ def refresh(agent, xfers: list[Xfer]) -> None:
             try:
                 x.state = agent.check_xfer_state(x.handle)
             except Exception as e:
-                x.state, x.error = "ERR", f"{type(e).__name__}: {e}"
+                x.state, x.error = "ERR", error_text(e)
 
 
 def cancel(agent, xfers: list[Xfer], releasable: bool = True) -> None:
@@ -117,7 +117,8 @@ def cancel(agent, xfers: list[Xfer], releasable: bool = True) -> None:
 
 
 def release(agent, xfers: list[Xfer]) -> None:
-    """Free the handles of finished WRITEs (call once every Xfer is terminal)."""
+    """Free the handles of finished WRITEs (call once every Xfer is terminal) and drop them: a
+    handle holds the agent, which must not outlive its thread through an Xfer (nixl_thread)."""
     for x in xfers:
         try:
             if x.handle is not None:
@@ -125,11 +126,18 @@ def release(agent, xfers: list[Xfer]) -> None:
             for dlist in x.dlists:
                 dlist.release()
         except Exception as e:
-            log.error("releasing the WRITE of %s failed: %s", x.batch.label, e)
+            log.error("releasing the WRITE of %s failed: %s", x.batch.label, error_text(e))
+        x.handle, x.dlists = None, ()
 
 
 def notify(agent, peer: str, message: bytes) -> None:
     try:
         agent.send_notif(peer, message)
     except Exception as e:
-        log.error("cannot send a notification to %r: %s: %s", peer, type(e).__name__, e)
+        log.error("cannot send a notification to %r: %s", peer, error_text(e))
+
+
+def error_text(e: BaseException) -> str:
+    """An error as text: a log record or Xfer that kept the exception would keep the frames of
+    its traceback, and with them the agent (nixl_thread)."""
+    return f"{type(e).__name__}: {e}"

@@ -18,6 +18,12 @@ us is due (a receiver waiting for a request's state), and hands them to the sink
 (2) checks the state of posted WRITEs (`post`; progresses them), from WATCH_FIRST_S backing off
 to WATCH_MAX_S; once none is in flight it releases their handles and calls their callback.
 Sink and callbacks run on this thread: they must be thread safe (e.g. `loop.call_soon_threadsafe`).
+
+Teardown: the agent is destroyed (UCX torn down) when its last reference goes, and that must
+happen here too, not on whichever thread a garbage collection runs later while other agents in
+the process are busy. NIXL's handle objects (prepared lists, WRITEs) hold the agent, so their
+owners drop them once released (`nixl_ops.release`, `TransferAgent.close`), and exceptions that
+leave this thread carry their traceback as text, not frames (`_without_frames`).
 """
 from __future__ import annotations
 
@@ -28,13 +34,14 @@ import queue
 import select
 import threading
 import time
+import traceback
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .nixl_ops import refresh, release
+from .nixl_ops import error_text, refresh, release
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +163,7 @@ class NixlThread:
                 try:
                     future.set_result(fn(agent, *args))
                 except BaseException as e:
-                    future.set_exception(e)
+                    future.set_exception(_without_frames(e))
 
     def _watch_due(self, agent: Any) -> list[_Watch]:
         """Refresh the watched WRITEs that are due; finish those with nothing in flight."""
@@ -181,7 +188,7 @@ class NixlThread:
             for peer, messages in agent.get_new_notifs().items():
                 self._held.setdefault(peer, []).extend(messages)
         except Exception as e:
-            log.error("NIXL progress failed: %s: %s", type(e).__name__, e)
+            log.error("NIXL progress failed: %s", error_text(e))
         self._hand_over()
 
     def _hand_over(self) -> None:
@@ -191,6 +198,21 @@ class NixlThread:
                 self._sink(held)
             except Exception as e:  # e.g. the event loop is closed: nobody is listening any more
                 log.error("dropped notifications from %s: %s", sorted(held), e)
+
+
+def _without_frames(error: BaseException) -> BaseException:
+    """`error` (and the errors it chains) with its traceback as a note instead of frames, to hand
+    to another thread: the frames' locals, and their callers' through `f_back`, hold the agent,
+    which must die on this thread (module docstring)."""
+    seen = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            e.add_note("raised on the NIXL thread at:\n" + "".join(traceback.format_tb(e.__traceback__)).rstrip())
+            e.with_traceback(None)
+        e = e.__cause__ or e.__context__
+    return error
 
 
 class _Inbox:

@@ -76,11 +76,12 @@ class _Write:
 class Sender:
     def __init__(self, nixl: NixlThread, table: RegionTable, items: Any, metrics: TransferMetrics,
                  send: Callable[[str, Notice], None], faults: Faults):
-        """`items`: our per-item prepared list; `send(peer, notice)` queues a notice."""
+        """`items`: our per-item prepared list (None once the agent closed); `send(peer, notice)`
+        queues a notice."""
         self.faults = faults
+        self.items = items
         self._nixl = nixl
         self._table = table
-        self._items = items
         self._metrics = metrics
         self._send = send
         self._writes: dict[int, _Write] = {}
@@ -166,7 +167,7 @@ class Sender:
     def _post(self, job: _Write, dest: Destination, xfers: list[nixl_ops.Xfer]) -> None:
         loop = asyncio.get_running_loop()
         self._nixl.post(nixl_ops.post, xfers, lambda: loop.call_soon_threadsafe(job.land),
-                        self._items, job.peer, dest.items)
+                        self.items, job.peer, dest.items)
 
     def _xfers(self, tag: int, batches: list[Batch]) -> list[nixl_ops.Xfer]:
         """One WRITE per batch, each notifying (tag, its components, WRITE i of n)."""
