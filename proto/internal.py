@@ -65,6 +65,7 @@ class WorkerLoad:
     active_requests: Count
     queued_prompt_tokens: Count
     requests_total: Count = 0  # requests this worker has taken since it started
+    draining: bool = False  # stopping: finishing what it holds, taking nothing new (route elsewhere)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +119,7 @@ class PlanReply:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerEvent:
-    kind: Literal["joined", "left"]
+    kind: Literal["joined", "draining", "left"]  # draining: stopping, still registered, takes nothing new
     worker_id: WorkerId
     role: Role
     reason: str = ""  # for "left": deregistered / lease expired

@@ -95,13 +95,17 @@ class Membership:
     async def _beat(self) -> None:
         while True:
             await asyncio.sleep(min(HEARTBEAT_S, self.lease_s / 4))
-            try:
-                beat = Heartbeat(worker_id=self.registration.worker_id, load=self.load())
-                reply = await self.bus.request(subjects.HEARTBEAT, beat, HeartbeatReply, timeout=2.0)
-                if not reply.registered:
-                    await self.bus.request(subjects.REGISTER, self.registration, RegisterReply, timeout=5.0)
-            except BatonError as exc:  # registry restarting: keep serving, keep trying
-                log.warning("heartbeat failed: %s", exc)
+            await self.beat()
+
+    async def beat(self) -> None:
+        """Send the load now (e.g. that we are draining) instead of at the next heartbeat."""
+        try:
+            beat = Heartbeat(worker_id=self.registration.worker_id, load=self.load())
+            reply = await self.bus.request(subjects.HEARTBEAT, beat, HeartbeatReply, timeout=2.0)
+            if not reply.registered:
+                await self.bus.request(subjects.REGISTER, self.registration, RegisterReply, timeout=5.0)
+        except BatonError as exc:  # registry restarting: keep serving, keep trying
+            log.warning("heartbeat failed: %s", exc)
 
     async def stop(self) -> None:
         if self._task:

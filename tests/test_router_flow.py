@@ -1,5 +1,6 @@
 """The router's relay rules for one attempt (pure logic: events are fed by hand)."""
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -84,3 +85,27 @@ def test_a_continuation_draws_fresh_randomness():
 def test_a_lost_chunk_is_an_error():
     with pytest.raises(BatonError, match="chunk 1 lost"):
         asyncio.run(relay(flow(), ("chunk", chunk(0, [5])), ("chunk", chunk(2, [7]))))
+
+
+class Prefills:
+    """The part of the router's Directory `_pick_prefill` reads."""
+
+    def __init__(self, **queued_and_draining: tuple[int, bool]) -> None:
+        self.workers = [SimpleNamespace(registration=SimpleNamespace(worker_id=w, role="prefill"),
+                                        load=SimpleNamespace(queued_prompt_tokens=q, draining=d))
+                        for w, (q, d) in queued_and_draining.items()]
+
+    def of_role(self, role: str) -> list:
+        return self.workers
+
+    def outstanding(self, worker_id: str) -> int:
+        return 0
+
+
+def test_a_draining_prefill_is_never_picked_even_when_least_loaded():
+    f = Flow(None, Prefills(idle=(0, True), busy=(500, False)), None, RouterTimeouts(), "r", [1], 4, SamplingParams())
+    assert f._pick_prefill() == "busy"
+    f.directory = Prefills(a=(0, True), b=(0, True))
+    with pytest.raises(BatonError, match="all 2 are stopping") as refused:
+        f._pick_prefill()
+    assert refused.value.code is ErrorCode.UNAVAILABLE

@@ -3,7 +3,7 @@
 State lives in a JetStream key-value bucket (one key per worker, value = WorkerInfo as msgpack)
 whose TTL is the lease: a worker that stops heartbeating disappears from the bucket by itself,
 and a registry restart loses nothing. A sweeper notices workers that vanished and publishes a
-"left" event. Never imports torch: it validates plain-data manifests against the model config.
+"left" event; a worker whose heartbeat first says it is draining gets a "draining" event. Never imports torch: it validates plain-data manifests against the model config.
 """
 from __future__ import annotations
 
@@ -84,6 +84,8 @@ class Registry:
             return HeartbeatReply(registered=False)
         await self.kv.put(beat.worker_id, encode(WorkerInfo(registration=info.registration, load=beat.load)))
         self._known.setdefault(beat.worker_id, info.registration.role)  # e.g. after a registry restart
+        if beat.load.draining and not info.load.draining:  # routers look again now, not at their next refresh
+            await self._event("draining", beat.worker_id, info.registration.role, "stopping")
         return HeartbeatReply(registered=True)
 
     async def deregister(self, msg: Deregistration) -> Ack:

@@ -92,7 +92,8 @@ class Directory:
             log.warning("ignored malformed worker event: %s", exc)
             return
         log.info("worker %s %s (%s)", event.worker_id, event.kind, event.reason)
-        self._forget(event.worker_id)  # a left worker, or a re-registered one with new memory
+        if event.kind != "draining":  # still registered: the refresh below marks it
+            self._forget(event.worker_id)  # a left worker, or a re-registered one with new memory
         if event.kind == "left":
             self.on_left(event.worker_id, event.reason)
         await self.refresh()

@@ -181,9 +181,11 @@ class Flow:
         return others or workers
 
     def _pick_prefill(self) -> str:
-        workers = self._prefer_others(self.directory.of_role("prefill"))
+        registered = self.directory.of_role("prefill")
+        workers = self._prefer_others([w for w in registered if not w.load.draining])
         if not workers:
-            raise BatonError(ErrorCode.UNAVAILABLE, "no prefill worker is registered")
+            raise BatonError(ErrorCode.UNAVAILABLE, "no prefill worker is registered" if not registered else
+                             f"no prefill worker takes prompts: all {len(registered)} are stopping")
         best = min(workers, key=lambda w: (w.load.queued_prompt_tokens + self.directory.outstanding(w.registration.worker_id)))
         return best.registration.worker_id
 
