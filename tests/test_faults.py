@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from baton.proto import subjects
-from baton.proto.errors import BatonError
+from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.internal import (LookupReply, LookupRequest, PrefillDispatch, PrefillDone,
+                                  SamplingParams)
 from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest
 from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
@@ -224,3 +226,51 @@ def test_failed_or_unnotified_transfer_ends_with_an_error_and_frees_slots(monkey
                 return p, await outcome(bus, p, 10)
         p, reply = asyncio.run(later())
         assert_exact(Reference(), p, reply, 10)
+
+
+def test_sigterm_of_one_prefill_finishes_its_writes_before_it_leaves(reference, monkeypatch):
+    """A prefill stopped with SIGTERM while its WRITEs are in flight (a rolling restart): it takes
+    no new prompt, finishes the requests it holds, and deregisters only after their last WRITE
+    ended. Decode releases a sender's slots when that sender leaves (nothing it started can still
+    land), so leaving first would let a WRITE land in freed slots (sglang #27372)."""
+    monkeypatch.setenv("BATON_TRANSFER_FAULTS", "delay=2")  # every WRITE waits 2 s: a window to stop in
+    with running_cluster(prefill=2, decode=1) as cluster:
+        stopped = next(proc for role, proc in cluster.children if role == "prefill")
+
+        async def run():
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
+                prompts = [prompt(30, s) for s in range(80, 86)]
+                tasks = [asyncio.create_task(outcome(bus, p, 8, request_id=f"rolling-{i}"))
+                         for i, p in enumerate(prompts)]
+                await asyncio.sleep(1.0)  # computed on both prefills; their WRITEs wait in the delay
+                stopped.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                # still registered, marked draining, and refusing new prompts
+                prefills = (await bus.request(subjects.LOOKUP, LookupRequest(role="prefill"), LookupReply)).workers
+                draining = [w.registration.worker_id for w in prefills if w.load.draining]
+                assert len(prefills) == 2 and len(draining) == 1, prefills
+                try:
+                    refused = await bus.request(subjects.prefill_dispatch(draining[0]), PrefillDispatch(
+                        request_id="to-the-stopped", token_ids=prompt(30, 88), sampling=SamplingParams()), PrefillDone)
+                except BatonError as exc:
+                    refused = exc
+                assert isinstance(refused, BatonError) and refused.code is ErrorCode.UNAVAILABLE, refused
+                assert "stopping" in refused.message, refused
+                late = prompt(30, 87)  # sent while the stopped prefill drains: served by the other
+                results = await asyncio.gather(*tasks, outcome(bus, late, 8, request_id="rolling-late"))
+                code = await asyncio.get_running_loop().run_in_executor(None, stopped.wait, 60)
+                return prompts + [late], results, code
+        prompts, results, code = asyncio.run(run())
+        for p, r in zip(prompts, results):
+            assert_exact(reference, p, r, 8)
+        assert code == 0
+        logs = {path.name: path.read_text() for path in Path(cluster.log_dir).glob("*.log")}
+        router = "".join(text for name, text in logs.items() if name.startswith("router"))
+        decode = "".join(text for name, text in logs.items() if name.startswith("decode"))
+        stopped_log = next(text for name, text in logs.items() if name.startswith("prefill") and
+                           "stopping: no new prompts; finishing" in text)
+        finished = int(stopped_log.split("stopping: no new prompts; finishing ")[1].split()[0])
+        assert finished > 0, "the stopped prefill held no request: nothing was tested"
+        assert "retrying once" not in router, "a request of the stopped prefill was retried, not finished"
+        assert "notice for unknown request" not in decode, "a WRITE ended after decode released its request"
+        asyncio.run(wait_all_free(cluster.nats_url))

@@ -73,6 +73,10 @@ class Jobs:
     def __len__(self) -> int:
         return len(self._jobs)
 
+    def without_target(self) -> list[Job]:
+        """Jobs that have neither a target nor a release yet."""
+        return [job for job in self._jobs.values() if job.outcome is None]
+
     def settle(self, request_id: str, outcome: Outcome) -> None:
         """Apply a target or a release to the request's job, or keep it for a dispatch to come."""
         job = self._jobs.get(request_id)

@@ -69,6 +69,7 @@ class PrefillWorker:
         self.jobs = Jobs()
         self.queued_tokens = 0
         self.requests_total = 0
+        self.draining = False  # stopping: new prompts are refused, held ones finish
         self.membership = Membership(bus, registration(config, self.manifest, self.agent.metadata(),
                                                        self.model.cfg.max_position_embeddings), self.load)
         self._tasks: set[asyncio.Task] = set()
@@ -81,7 +82,8 @@ class PrefillWorker:
         self.metrics.free_slots.set(free.slots)
         self.metrics.queue.set(self.queue.qsize())
         return WorkerLoad(free_pages=free.pages, free_slots=free.slots, active_requests=len(self.jobs),
-                          queued_prompt_tokens=self.queued_tokens, requests_total=self.requests_total)
+                          queued_prompt_tokens=self.queued_tokens, requests_total=self.requests_total,
+                          draining=self.draining)
 
     async def run(self, stop: asyncio.Event) -> None:
         self.metrics.serve_from_env()
@@ -94,17 +96,49 @@ class PrefillWorker:
             batcher = asyncio.create_task(self._batcher(), name="prefill-batcher")
             await stop.wait()
             log.info("stopping: no new prompts; finishing %d in flight", len(self.jobs))
-            await self.membership.stop()
-            await self.bus.close(grace_s=self.config.transfer_deadline_s)
+            self.draining = True
+            await self.membership.beat()  # routers stop picking this worker
+            await self._drain(self.config.transfer_deadline_s)
+            await self.membership.stop()  # "left": decode now releases what it still holds for us
+            await self.bus.close(grace_s=1.0)
             batcher.cancel()
-            for task in set(self._tasks):
-                await asyncio.wait([task])
         self.engine.close()
+
+    async def _drain(self, timeout_s: float) -> None:
+        """Finish the requests held (compute, wait for a target, WRITE) for up to `timeout_s`;
+        then end those still without a target, and wait for every WRITE in flight to end, however
+        long. Only then may this worker leave: decode releases a departed sender's slots at once,
+        and a WRITE still in flight would land in them after reuse (sglang #27372)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._holding() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._holding():
+            waiting = self.jobs.without_target()
+            log.warning("stopping: %d requests still held after %g s; ending the %d without a target",
+                        len(self.jobs), timeout_s, len(waiting))
+            for job in waiting:
+                self.jobs.settle(job.request_id, BatonError(
+                    ErrorCode.UNAVAILABLE, f"request {job.request_id}: prefill worker {self.config.worker_id} stopped"))
+        next_report = loop.time()
+        while self._holding():
+            if loop.time() >= next_report:
+                log.warning("stopping: waiting for %d requests' WRITEs to end before deregistering (a WRITE "
+                            "into a decode that stopped progressing waits for it)", len(self.jobs))
+                next_report = loop.time() + 10.0
+            await asyncio.sleep(0.05)
+
+    def _holding(self) -> bool:
+        """A request is queued, computing, waiting for its target, or being written."""
+        return bool(self.jobs) or bool(self._tasks)
 
     async def _peer_left(self, worker_id: str) -> None:
         await self.agent.remove_peer(worker_id)  # our writes to it stop; their requests fail
 
     async def dispatch(self, req: PrefillDispatch) -> PrefillDone:
+        if self.draining:
+            raise BatonError(ErrorCode.UNAVAILABLE, f"prefill worker {self.config.worker_id} is stopping; "
+                             f"request {req.request_id} goes elsewhere")
         if req.request_id in self.jobs:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {req.request_id} is already dispatched here")
         vocab = self.model.cfg.vocab_size
