@@ -120,7 +120,7 @@ class PrefillWorker:
             for job in waiting:
                 self.jobs.settle(job.request_id, BatonError(
                     ErrorCode.UNAVAILABLE, f"request {job.request_id}: prefill worker {self.config.worker_id} stopped"))
-        next_report = loop.time()
+        next_report = loop.time() + 1.0  # those just ended go at once; WRITEs in flight may not
         while self._holding():
             if loop.time() >= next_report:
                 log.warning("stopping: waiting for %d requests' WRITEs to end before deregistering (a WRITE "
