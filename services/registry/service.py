@@ -3,7 +3,8 @@
 State lives in a JetStream key-value bucket (one key per worker, value = WorkerInfo as msgpack)
 whose TTL is the lease: a worker that stops heartbeating disappears from the bucket by itself,
 and a registry restart loses nothing. A sweeper notices workers that vanished and publishes a
-"left" event; a worker whose heartbeat first says it is draining gets a "draining" event. Never imports torch: it validates plain-data manifests against the model config.
+"left" event; a worker whose heartbeat first says it is draining gets a "draining" event.
+Never imports torch: it validates plain-data manifests against the model config.
 """
 from __future__ import annotations
 
