@@ -104,8 +104,8 @@ class Prefills:
 
 def test_a_draining_prefill_is_never_picked_even_when_least_loaded():
     f = Flow(None, Prefills(idle=(0, True), busy=(500, False)), None, RouterTimeouts(), "r", [1], 4, SamplingParams())
-    assert f._pick_prefill() == "busy"
+    assert f._pick_prefill(f.directory.of_role("prefill")) == "busy"
     f.directory = Prefills(a=(0, True), b=(0, True))
     with pytest.raises(BatonError, match="all 2 are stopping") as refused:
-        f._pick_prefill()
+        f._pick_prefill(f.directory.of_role("prefill"))
     assert refused.value.code is ErrorCode.UNAVAILABLE

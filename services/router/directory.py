@@ -26,6 +26,8 @@ class Directory:
         self._plans: dict[tuple[str, str], dict] = {}
         self._outstanding: dict[str, int] = {}  # in flight from this router: prompt tokens per prefill, requests per decode
         self._refreshed_at = 0.0
+        self._lookups_started = 0
+        self._lookup_applied = 0  # the newest lookup whose answer is the view: an older one never overwrites it
         self._changed = asyncio.Event()
         self.on_left: Callable[[str, str], None] = lambda worker_id, reason: None  # set by the router
 
@@ -34,11 +36,16 @@ class Directory:
         await self.refresh()
 
     async def refresh(self) -> None:
+        self._lookups_started += 1
+        lookup = self._lookups_started
         try:
             reply = await self.bus.request(subjects.LOOKUP, LookupRequest(), LookupReply, timeout=2.0)
         except BatonError as exc:
             log.warning("registry lookup failed, keeping the last view (%d workers): %s", len(self.workers), exc)
             return
+        if lookup < self._lookup_applied:  # a later lookup (e.g. one an event started) answered first
+            return
+        self._lookup_applied = lookup
         fresh = {w.registration.worker_id: w for w in reply.workers}
         for gone in set(self.workers) - set(fresh):
             self._forget(gone)
@@ -52,6 +59,13 @@ class Directory:
 
     def of_role(self, role: str) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.registration.role == role]
+
+    async def known(self, role: str) -> list[WorkerInfo]:
+        """Workers of `role`; when the view has none, the registry is asked first: a worker that
+        just joined is missing until the lookup its event started has answered."""
+        if not self.of_role(role):
+            await self.refresh()
+        return self.of_role(role)
 
     def outstanding(self, worker_id: str) -> int:
         return self._outstanding.get(worker_id, 0)

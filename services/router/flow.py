@@ -169,7 +169,7 @@ class Flow:
     async def _admit(self) -> None:
         self.at.mark("admit")
         self.stream_subject = self.token_inbox.open(self.events)
-        self.prefill_id = self._pick_prefill()
+        self.prefill_id = self._pick_prefill(await self.directory.known("prefill"))
         self._hold(self.prefill_id, len(self.token_ids))  # counted now, so concurrent picks spread out
         self._tasks.append(asyncio.create_task(self._prefill(self.prefill_id), name=f"prefill {self.request_id}"))
         await asyncio.sleep(0)  # the dispatch (the critical path) goes out before the reservation
@@ -180,8 +180,7 @@ class Flow:
         others = [w for w in workers if w.registration.worker_id not in self._avoid]
         return others or workers
 
-    def _pick_prefill(self) -> str:
-        registered = self.directory.of_role("prefill")
+    def _pick_prefill(self, registered: list) -> str:
         workers = self._prefer_others([w for w in registered if not w.load.draining])
         if not workers:
             raise BatonError(ErrorCode.UNAVAILABLE, "no prefill worker is registered" if not registered else
@@ -190,7 +189,7 @@ class Flow:
         return best.registration.worker_id
 
     async def _reserve(self, prefill_id: str) -> tuple[ReserveReply, dict]:
-        decodes = sorted(self._prefer_others(self.directory.of_role("decode")),  # free slots first, then least loaded
+        decodes = sorted(self._prefer_others(await self.directory.known("decode")),  # free slots first, then least loaded
                          key=lambda w: (w.load.free_slots == 0,
                                         self.directory.outstanding(w.registration.worker_id), -w.load.free_pages))
         if not decodes:
