@@ -3,6 +3,17 @@
 Text is only released once it can no longer change: a trailing partial UTF-8 character (the
 byte-level BPE decodes it as U+FFFD) and any tail that could still become a stop string are held
 back until the next tokens or the end.
+
+Decoding is incremental, as in vLLM and TGI, so a request costs O(n) rather than O(n^2): `read` is
+how many tokens have settled text (their decoding ended on a whole character) and `prefix` (<= read)
+is where the settled tokens of the step before began; they are decoded again only as context, since
+a token's text may depend on its neighbours. The text after the settled part is
+`decode(tokens[prefix:])[len(decode(tokens[prefix:read])):]`. Once it no longer ends in U+FFFD the
+offsets move on (prefix to read, read to the end); until then they stay, and the next tokens are
+decoded together with the unfinished ones (an unfinished character decodes as one U+FFFD, so the
+characters before it are final and may be released). `window` keeps just the text the stop strings
+still need: the last characters released (as many as the longest stop string) and the settled text
+not yet released.
 """
 from __future__ import annotations
 
@@ -15,7 +26,10 @@ class TextStream:
     def __init__(self, tokenizer: TextTokenizer, stop: list[str]) -> None:
         self.tokenizer, self.stop = tokenizer, stop
         self.tokens: list[int] = []
-        self.sent = 0  # characters of the text already released
+        self.prefix = self.read = 0  # token offsets, see the module docstring
+        self.window = ""  # settled text of tokens[:read], less what no stop string can reach
+        self.sent = 0  # characters from the start of `window` already released
+        self.keep = max(map(len, stop), default=0)
         self.stopped = False
 
     def add(self, token_ids: list[int]) -> tuple[list[int], str]:
@@ -24,20 +38,31 @@ class TextStream:
         if self.stopped:
             return [], ""
         self.tokens.extend(token_ids)
-        text = self.tokenizer.decode(self.tokens)
+        text = self._decode()
         cut = self._stop_at(text)
         if cut is not None:
             self.stopped = True
             return token_ids, self._release(text[:cut])
-        return token_ids, self._release(text[:len(text) - self._holdback(text)])
+        delta = self._release(text[:len(text) - self._holdback(text)])
+        if not text.endswith(REPLACEMENT) and len(self.tokens) > self.read:  # settled: move on
+            self.prefix, self.read = self.read, len(self.tokens)
+            drop = max(0, self.sent - self.keep)
+            self.window, self.sent = text[drop:], self.sent - drop
+        return token_ids, delta
 
     def finish(self) -> str:
         """The rest of the text at the end of generation."""
-        return "" if self.stopped else self._release(self.tokenizer.decode(self.tokens))
+        return "" if self.stopped else self._release(self._decode())
 
     @property
     def text(self) -> str:
+        """All the text so far (decodes every token; for tests and debugging)."""
         return self.tokenizer.decode(self.tokens)
+
+    def _decode(self) -> str:
+        """The text from the start of `window` to the end of the tokens."""
+        settled = self.tokenizer.decode(self.tokens[self.prefix:self.read]) if self.read > self.prefix else ""
+        return self.window + self.tokenizer.decode(self.tokens[self.prefix:])[len(settled):]
 
     def _release(self, upto: str) -> str:
         delta = upto[self.sent:]
@@ -49,10 +74,13 @@ class TextStream:
         return min(hits) if hits else None
 
     def _holdback(self, text: str) -> int:
-        hold = 1 if text.endswith(REPLACEMENT) else 0
+        """How many trailing characters may still change: a partial character, and before it
+        (the partial one may complete a stop string too) the longest start of a stop string."""
+        partial = 1 if text.endswith(REPLACEMENT) else 0
+        text, hold = text[:len(text) - partial], 0
         for s in self.stop:
             for n in range(len(s) - 1, 0, -1):
                 if text.endswith(s[:n]):
                     hold = max(hold, n)
                     break
-        return hold
+        return partial + hold
