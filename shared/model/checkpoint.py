@@ -61,7 +61,7 @@ def load_model(path: str | Path = DEFAULT_MODEL_DIR, dtype: torch.dtype = torch.
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
     model = BatonLM(cfg)
     load_weights(model, path / "model.safetensors")
-    return model.to(dtype).eval()
+    return model.to(dtype).eval().pack()
 
 
 def save_model(model: BatonLM, path: str | Path) -> None:

@@ -4,6 +4,13 @@ Tensors are flattened over the batch: T = total new tokens in a forward, d = hid
 H / Hkv = query / key-value heads, D = head_dim. Attention itself (which keys a query sees,
 where K/V are stored) is delegated to an `Attention` object so the same layer runs over
 a dense no-cache batch (training, tests) and over paged / ring KV pools (serving).
+
+Fewer, bigger ops: q, k and v are one projection (`qkv_proj`), gate and up are one
+(`gate_up_proj`); the q and k norms and RoPE run over q and k together. The checkpoint keeps
+the Hugging Face names (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`): `FusedLinear`
+maps them to and from the fused weight in `state_dict` / `load_state_dict`, so checkpoints load
+in `transformers` unchanged. Fusing changes no arithmetic: every output element is the same dot
+product (tests/test_model_reference.py compares against `transformers`).
 """
 from __future__ import annotations
 
@@ -26,41 +33,101 @@ class Attention(Protocol):
 
 
 class RMSNorm(nn.Module):
+    """weight * x / rms(x) in fp32, as `transformers`' Qwen3RMSNorm (F.rms_norm is bitwise equal)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """A bias-free projection. After `pack()` (done by `load_model` on the CPU), inference runs
+    through oneDNN's prepacked fp32 GEMM: for the few-row products of decode it streams the
+    weight about 2-4x faster than the default BLAS call, whose time is mostly reading the weight
+    from memory (docs/benchmarks.md). Results agree with F.linear to rounding (a different
+    summation order). Training and grad-enabled calls always use F.linear."""
+
+    packed: torch.Tensor | None = None
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__(d_in, d_out, bias=False)
+
+    def pack(self) -> None:
+        """Prepack the current weight (call again after changing it)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and not torch.is_grad_enabled():
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
+class FusedLinear(Linear):
+    """One bias-free projection whose output is the concatenation of named parts.
+
+    state_dict() lists the parts under their own names (`<prefix><part>.weight`, views of the
+    fused weight), and load_state_dict() accepts them, so the fused layer reads and writes
+    checkpoints of separate projections."""
+
+    def __init__(self, d_in: int, parts: dict[str, int]) -> None:
+        super().__init__(d_in, sum(parts.values()))
+        self.parts = parts
+        self._register_state_dict_hook(FusedLinear._split_parts)
+        self._register_load_state_dict_pre_hook(self._join_parts)
+
+    @staticmethod
+    def _split_parts(module: "FusedLinear", state: dict, prefix: str, _meta) -> None:
+        fused = state.pop(prefix + "weight")
+        for name, rows in zip(module.parts, fused.split(list(module.parts.values()))):
+            state[f"{_parent(prefix)}{name}.weight"] = rows
+
+    def _join_parts(self, state: dict, prefix: str, *_args) -> None:
+        names = [f"{_parent(prefix)}{name}.weight" for name in self.parts]
+        if all(n in state for n in names):
+            state[prefix + "weight"] = torch.cat([state.pop(n) for n in names])
+
+
+def _parent(prefix: str) -> str:
+    """'model.layers.0.self_attn.qkv_proj.' -> 'model.layers.0.self_attn.'"""
+    return prefix[:prefix.rstrip(".").rfind(".") + 1]
 
 
 class Rotary(nn.Module):
-    """Default (unscaled) RoPE, computed exactly as `transformers` does in fp32."""
+    """Default (unscaled) RoPE from a table computed once, exactly as `transformers` computes it
+    in fp32 (position * inv_freq, then cos / sin). The rotation is applied as
+    x * cos + roll(x, D/2) * sin_signed, with sin_signed = (-sin_1, sin_2): bitwise the same as
+    x * cos + rotate_half(x) * sin, in four ops."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         self.register_buffer("inv_freq", 1.0 / (theta ** exponent), persistent=False)  # [D/2]
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin_signed", torch.empty(0), persistent=False)
+        self._grow(max_positions)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos(), emb.sin()
+    def _grow(self, n: int) -> None:
+        freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]  # [n, D/2]
+        self.cos = torch.cat((freqs, freqs), dim=-1).cos()  # [n, D]
+        self.sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)  # [n, D]
+
+    def forward(self, positions: torch.Tensor, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin_signed), each [T, 1, D] (broadcast over heads).
+        max_position: the largest position, when the caller knows it (no host sync here)."""
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
+        if max_position >= self.cos.shape[0]:
+            self._grow(max(2 * self.cos.shape[0], max_position + 1))
+        return self.cos[positions][:, None, :], self.sin_signed[positions][:, None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos/sin: [T, D]
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos, sin_signed: [T, 1, D]
+    return x * cos.to(x.dtype) + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed.to(x.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -68,33 +135,33 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
+        d, qd, kd = cfg.hidden_size, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(d, {"q_proj": qd, "k_proj": kd, "v_proj": kd})
+        self.o_proj = Linear(qd, d)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.heads, self.head_dim))  # [T, H, D]
-        k = self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.head_dim))  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn(self.layer_id, q, k, v)  # [T, H, D]
-        return self.o_proj(out.reshape(T, self.heads * self.head_dim))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention) -> torch.Tensor:
+        T, H, Hkv = x.shape[0], self.heads, self.kv_heads
+        qkv = self.qkv_proj(x).view(T, H + 2 * Hkv, self.head_dim)  # [T, H + 2Hkv, D]
+        norm_weight = torch.cat((self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(Hkv, -1)))
+        qk = norm_weight * F.rms_norm(qkv[:, :H + Hkv].float(), (self.head_dim,),
+                                      eps=self.q_norm.eps).to(x.dtype)  # [T, H + Hkv, D]
+        qk = apply_rope(qk, *rope)
+        out = attn(self.layer_id, qk[:, :H], qk[:, H:], qkv[:, H + Hkv:])  # [T, H, D]
+        return self.o_proj(out.reshape(T, H * self.head_dim))
 
 
 class SwiGLU(nn.Module):
     def __init__(self, d: int, hidden: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(d, hidden, bias=False)
-        self.up_proj = nn.Linear(d, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d, bias=False)
+        self.hidden = hidden
+        self.gate_up_proj = FusedLinear(d, {"gate_proj": hidden, "up_proj": hidden})
+        self.down_proj = Linear(hidden, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)  # [T, 2 * hidden]
+        return self.down_proj(F.silu(gate_up[:, :self.hidden]) * gate_up[:, self.hidden:])
 
 
 class DecoderLayer(nn.Module):
@@ -105,6 +172,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)  # [T, d]
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)  # [T, d]
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Attention, DecoderLayer, RMSNorm, Rotary
+from .layers import Attention, DecoderLayer, Linear, RMSNorm, Rotary
 
 
 class MTPLayer(nn.Module):
@@ -25,7 +25,7 @@ class MTPLayer(nn.Module):
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.eh_proj = Linear(2 * d, d)
         self.block = DecoderLayer(cfg, layer_id)
 
 
@@ -50,18 +50,20 @@ class BatonLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = TargetModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = MTPModel(cfg)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
 
-    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        """input_ids, positions: [T] -> last target layer's output before the final norm, [T, d]."""
-        cos, sin = self.rotary(positions)  # [T, D] each
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
+                       max_position: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> last target layer's output before the final norm, [T, d].
+        max_position: the largest of `positions`, when the caller knows it without a host sync."""
+        rope = self.rotary(positions, max_position)  # cos, sin: [T, 1, D] each
         x = self.model.embed_tokens(input_ids)  # [T, d]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
+            x = layer(x, rope, attn)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -69,13 +71,21 @@ class BatonLM(nn.Module):
         return self.lm_head(self.model.norm(hidden))
 
     def draft_hidden(self, prev_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                     attn: Attention, depth: int = 0) -> torch.Tensor:
+                     attn: Attention, depth: int = 0, max_position: int | None = None) -> torch.Tensor:
         """MTP layer `depth`: prev_hidden [T, d] (h_{p-1}), input_ids/positions [T] (token_p, p) -> [T, d]."""
         mtp = self.mtp.layers[depth]
-        cos, sin = self.rotary(positions)
+        rope = self.rotary(positions, max_position)
         emb = mtp.enorm(self.model.embed_tokens(input_ids))  # [T, d]
         x = mtp.eh_proj(torch.cat((emb, mtp.hnorm(prev_hidden)), dim=-1))  # [T, 2d] -> [T, d]
-        return mtp.block(x, cos, sin, attn)
+        return mtp.block(x, rope, attn)
+
+    def pack(self) -> "BatonLM":
+        """Prepack every projection for CPU inference (see `Linear`); a no-op elsewhere."""
+        if all(p.device.type == "cpu" for p in self.parameters()) and torch.backends.mkldnn.is_available():
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.pack()
+        return self
 
     def target_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items()
