@@ -30,26 +30,33 @@ import torch.nn.functional as F
 from baton.kernels.dispatch import use_triton
 
 
-def chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window):
-    B, Q, H, D = q.shape
-    Hkv = k_new.shape[2]
-    keys = torch.cat((k_cache[old_rows], k_new), dim=1)  # [B, M+Q, Hkv, D]
-    values = torch.cat((v_cache[old_rows], v_new), dim=1)
+def chunk_mask(q_pos, old_pos, window):
+    """[B, Q, M+Q] True where a query may attend a key: cached keys (old_pos) then the chunk's own
+    keys (q_pos). Padded queries attend everything (their output is dropped, and no row is empty)."""
     k_pos = torch.cat((old_pos, q_pos), dim=1)  # [B, M+Q]
     delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Q, M+Q]
     allowed = (k_pos[:, None, :] >= 0) & (delta >= 0)
     if window is not None:
         allowed &= delta < window
-    allowed |= (q_pos < 0)[:, :, None]  # padded queries attend anything; their output is dropped
-    keys = keys.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # [B, H, M+Q, D]
-    values = values.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=allowed[:, None])
+    return allowed | (q_pos < 0)[:, :, None]
+
+
+def chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window, mask=None):
+    """mask: chunk_mask(q_pos, old_pos, window)[:, None] when the caller has it already ([B, 1, Q, M+Q],
+    shared by every layer of a pool). GQA reads each KV head once (enable_gqa), no copies."""
+    keys = torch.cat((k_cache[old_rows], k_new), dim=1).transpose(1, 2)  # [B, Hkv, M+Q, D]
+    values = torch.cat((v_cache[old_rows], v_new), dim=1).transpose(1, 2)
+    if mask is None:
+        mask = chunk_mask(q_pos, old_pos, window)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                         enable_gqa=True)  # [B, H, Q, D]
     return out.transpose(1, 2)  # [B, Q, H, D]
 
 
-def chunk_attention(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window):
-    """Dispatch point: Triton on CUDA (see kernels/README.md), the torch reference elsewhere."""
+def chunk_attention(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window, mask=None):
+    """Dispatch point: Triton on CUDA (see kernels/README.md), the torch reference elsewhere.
+    `mask` is a precomputed reference mask; the Triton kernel masks by position and ignores it."""
     if use_triton(q):
         from baton.kernels.chunk_attention_triton import chunk_attention_triton
         return chunk_attention_triton(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window)
-    return chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window)
+    return chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window, mask)

@@ -5,12 +5,16 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from baton.proto.public import MAX_DRAFT_TOKENS
+from baton.shared.engine.attention import Chunk, StoreAttention
 from baton.shared.engine.local import LocalCapacity, LocalEngine
 from baton.shared.engine.runner import SpecConfig
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import Sequence
+from baton.shared.kv.store import KVStore
+from baton.shared.model.config import FULL, SLIDING
 from baton.shared.model.dense_attention import DenseAttention
 from tiny_model import tiny_model
 
@@ -34,10 +38,10 @@ def dense_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def run_aggregated(model, spec: SpecConfig, prompts, max_tokens: int, mode: str = "ring", stop=(), caps=None,
-                   params=SamplingParams(), seed: int = 0):
+                   params=SamplingParams(), seed: int = 0, pages: int = 200, slots: int = 8):
     """caps: each sequence's draft_tokens (None: all use the deployment's K); sampled sequences
     get seeds seed, seed+1, ..."""
-    engine = LocalEngine(model, spec, LocalCapacity(num_pages=200, page_size=4, num_slots=8, mode=mode),
+    engine = LocalEngine(model, spec, LocalCapacity(num_pages=pages, page_size=4, num_slots=slots, mode=mode),
                          prefill_chunk=5)
     caps = caps or [None] * len(prompts)
     seqs = engine.run([Sequence(f"r{i}", p, max_tokens, replace(params, seed=seed + i) if not params.greedy else params,
@@ -45,7 +49,7 @@ def run_aggregated(model, spec: SpecConfig, prompts, max_tokens: int, mode: str 
                        for i, (p, cap) in enumerate(zip(prompts, caps))])
     engine.store.check_integrity()
     free = engine.store.free_capacity()
-    assert (free.pages, free.slots) == (200, 8)
+    assert (free.pages, free.slots) == (pages, slots)
     return seqs
 
 
@@ -139,3 +143,74 @@ def test_request_bound_is_the_engine_bound():
     SpecConfig(True, MAX_DRAFT_TOKENS)
     with pytest.raises(ValueError):
         SpecConfig(True, MAX_DRAFT_TOKENS + 1)
+
+
+LENGTHS = [1, 3, W - 1, W, W + 1, 2 * W + 3, 5 * W + 3]  # below, at and far above the window
+
+
+@pytest.mark.parametrize("mode", ["ring", "paged"])
+@pytest.mark.parametrize("batch", [1, 7, 33])
+def test_batches_of_mixed_lengths_and_draft_tokens_are_exact(model, batch, mode):
+    """One batch of `batch` sequences, prompt lengths around the window and every k in 0..K (and a
+    cap above K), decoded together: each equals the dense reference, token for token."""
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(1, 61, (LENGTHS[(i * 3) % len(LENGTHS)],), generator=gen).tolist() for i in range(batch)]
+    caps = [None if batch == 1 else i % (K + 2) for i in range(batch)]
+    seqs = run_aggregated(model, SpecConfig(True, K, "transfer"), prompts, 13, mode=mode, caps=caps,
+                          pages=1024, slots=40)
+    for s, p, cap in zip(seqs, prompts, caps):
+        assert s.output == dense_greedy(model, p, 13), (len(p), cap)
+        assert s.finish_reason == "length"
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts tensor ops, and host reads of tensor values (item/int/float/bool, and tolist)."""
+
+    def __enter__(self):
+        self.ops, self.syncs, tolist = 0, 0, torch.Tensor.tolist
+
+        def counted(t):
+            self.syncs += 1
+            return tolist(t)
+        self._restore = lambda: setattr(torch.Tensor, "tolist", tolist)
+        torch.Tensor.tolist = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._restore()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.syncs += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)],
+                         ids=["greedy", "sampled"])
+def test_a_decode_step_reads_the_device_once(model, params):
+    """Draft -> verify -> accept for a mixed batch reads results back to the host exactly once."""
+    engine = LocalEngine(model, SpecConfig(True, K, "transfer"), LocalCapacity(num_pages=200, page_size=4, num_slots=8))
+    seqs = [Sequence(f"s{i}", p, 40, replace(params, seed=i), draft_tokens=cap)
+            for i, (p, cap) in enumerate(zip(MIXED, CAPS))]
+    engine.admit(seqs)
+    for _ in range(3):
+        with DispatchCounter() as counter:
+            engine.runner.step(seqs)
+        assert counter.syncs == 1
+
+
+def test_step_metadata_does_not_grow_with_the_number_of_layers():
+    """The attention metadata of a forward is built once per pool, so its op count is the same for
+    a 2-layer and a 10-layer model with the same pools."""
+    counts = []
+    for layers in ((SLIDING, FULL), (SLIDING, FULL) * 5):
+        model = tiny_model(61, layers, window=W)
+        store = KVStore(model.cfg, mode="ring", num_pages=64, page_size=4, num_slots=4, max_draft_tokens=K)
+        for i, n in enumerate((5, 2 * W + 1)):
+            store.allocate(f"r{i}", 60)
+            store.extend(f"r{i}", n)
+        with DispatchCounter() as counter:
+            StoreAttention(store, [Chunk("r0", 5, K + 1), Chunk("r1", 2 * W + 1, 1)], list(range(len(layers))))
+        counts.append(counter.ops)
+    assert counts[0] == counts[1]

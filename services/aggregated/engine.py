@@ -286,10 +286,11 @@ class AggregatedEngine:
         """Prefill the prompts and start decoding them, exactly as prefill + decode would."""
         seqs = [j.seq for j in batch]
         state = self.spec.draft_state if self.spec.enabled else "cold"
-        for job, out in zip(batch, self.runner.prefill(seqs)):
+        outputs = self.runner.prefill(seqs)
+        if self.spec.enabled and state == "transfer":
+            self.runner.fill_draft_windows(seqs, [out.hidden for out in outputs])
+        for job, out in zip(batch, outputs):
             seq = job.seq
-            if self.spec.enabled and state == "transfer":
-                self.runner.fill_draft_window(seq, out.hidden)
             tail = out.hidden[-self.window:] if state == "rebuild" else out.hidden[-1:]
             self.runner.start_decode(seq, out.first_token, tail, state)
             seq.gen = job.decode_gen  # decode draws from its own stream (see submit)

@@ -223,12 +223,25 @@ class PrefillWorker:
             params = SamplingParams(d.sampling.temperature, d.sampling.top_p, d.sampling.seed)
             seqs.append((job, Sequence(d.request_id, list(d.token_ids), 1, params)))
         outputs = self.runner.prefill([s for _, s in seqs]) if seqs else []
+        targets = [job.target for job, _ in seqs]  # set on the loop thread; read once here
+        self._fill_draft_windows([(seq, out, target) for (_, seq), out, target in zip(seqs, outputs, targets)
+                                  if target])
         results = []
-        for (job, seq), out in zip(seqs, outputs):
-            target = job.target  # set on the loop thread; read once here
+        for (job, seq), out, target in zip(seqs, outputs, targets):
             results.append((job, seq, out, self._try_stage(job, target, seq, out) if target else None))
             job.at.mark("computed")
         return results
+
+    def _fill_draft_windows(self, targeted: list[tuple[Sequence, PrefillOutput, Target]]) -> None:
+        """Engine thread: the draft windows that travel, for the whole batch in one forward."""
+        if self.send_draft:
+            send = [(seq, out) for seq, out, target in targeted if target.plan.draft_state == "transfer"]
+            self.runner.fill_draft_windows([seq for seq, _ in send], [out.hidden for _, out in send])
+
+    def _stage_late(self, job: Job, target: Target, seq: Sequence, out: PrefillOutput) -> list[Descriptor] | BatonError:
+        """Engine thread: a request whose target came after its prefill: its draft window, then `_try_stage`."""
+        self._fill_draft_windows([(seq, out, target)])
+        return self._try_stage(job, target, seq, out)
 
     def _free_batch(self, jobs: list[Job]) -> None:
         """Engine thread: free what a failed batch had allocated."""
@@ -260,7 +273,7 @@ class PrefillWorker:
         if isinstance(job.outcome, BatonError):
             return job.outcome, prefill_ms
         started = time.monotonic()
-        staged = await self.engine.call(self._try_stage, job, job.target, seq, out)
+        staged = await self.engine.call(self._stage_late, job, job.target, seq, out)
         return staged, prefill_ms + (time.monotonic() - started) * 1000
 
     def _try_stage(self, job: Job, target: Target, seq: Sequence,
@@ -273,10 +286,9 @@ class PrefillWorker:
             return BatonError(ErrorCode.BAD_REQUEST, f"request {job.request_id}: its target does not fit: {exc}")
 
     def _stage(self, job: Job, target: Target, seq: Sequence, out: PrefillOutput) -> list[Descriptor]:
-        """Engine thread: the draft window (if it travels), the aux row, the descriptors to WRITE."""
+        """Engine thread: the aux row and the descriptors to WRITE (the draft window, if it travels,
+        is filled by the caller, `_fill_draft_windows`)."""
         L = len(seq.prompt)
-        if self.send_draft and target.plan.draft_state == "transfer":
-            self.runner.fill_draft_window(seq, out.hidden)
         rows = target.plan.aux_hidden_rows(L)
         pack_aux(self.store.aux_row(seq.request_id), self.store.aux_layout, request_tag(seq.request_id),
                  out.first_token, out.hidden[L - rows:] if rows else torch.zeros(0, self.model.cfg.hidden_size))

@@ -43,10 +43,11 @@ class LocalEngine:
         """Allocate, prefill and hand each sequence to decode as the services would."""
         for s in seqs:
             self.store.allocate(s.request_id, self.reservation(s))
-        for s, out in zip(seqs, self.runner.prefill(seqs)):
-            h, state = out.hidden, self.spec.draft_state
-            if self.spec.enabled and state == "transfer":
-                self.runner.fill_draft_window(s, h)
+        outputs, state = self.runner.prefill(seqs), self.spec.draft_state
+        if self.spec.enabled and state == "transfer":
+            self.runner.fill_draft_windows(seqs, [out.hidden for out in outputs])
+        for s, out in zip(seqs, outputs):
+            h = out.hidden
             tail = h[-self.window:] if state == "rebuild" else h[-1:]
             self.runner.start_decode(s, out.first_token, tail, state)
 

@@ -1,7 +1,8 @@
 """The model step loop shared by prefill, decode and the aggregated baseline.
 
 Prefill:  target over the prompt in chunks -> first token; optionally the MTP layer over the
-          prompt's window so the draft state can travel (draft-state mode `transfer`).
+          prompt's window so the draft state can travel (draft-state mode `transfer`), one
+          forward for the whole batch.
 Decode:   one `step(seqs)` advances every active sequence together:
           spec off  one target forward over each sequence's last token, sample one token;
           spec on   draft k tokens with the MTP layer (first draft forward also recomputes the
@@ -10,6 +11,8 @@ Decode:   one `step(seqs)` advances every active sequence together:
                     k is per sequence: the deployment's K, or less where a request asks for less
                     (`Sequence.draft_tokens`); a sequence with k = 0 skips the draft forwards and
                     is verified over its one position, i.e. decoded plainly, in the same forward.
+Drafts stay on the engine's device through the chain and the verify; sampling and acceptance
+are decided for the whole batch at once, and the step reads its results back to the host once.
 The draft entry at position p is f(h_{p-1}, token_p) and predicts token_{p+1} (docs/architecture.md).
 """
 from __future__ import annotations
@@ -22,8 +25,9 @@ from baton.proto.public import MAX_DRAFT_TOKENS
 from baton.shared.kv.store import KVStore
 from baton.shared.model.model import BatonLM
 
+from . import sampling
 from .attention import Chunk, StoreAttention
-from .sampling import accept_drafts, choose
+from .sampling import BatchSampling, race
 from .sequence import Sequence
 
 DRAFT_STATE_MODES = ("transfer", "rebuild", "cold")
@@ -54,16 +58,20 @@ class ModelRunner:
         cfg = model.cfg
         self.target_layers = list(range(cfg.num_hidden_layers))
         self.draft_layer = cfg.draft_layer_ids()[0] if cfg.num_draft_layers else None
-        self.window = cfg.sliding_window
+        self.window, self.vocab, self.device = cfg.sliding_window, cfg.vocab_size, store.device
 
     # --- forwards -------------------------------------------------------------------------
-    def _target(self, chunks: list[Chunk], ids: list[int]) -> torch.Tensor:
-        attn = StoreAttention(self.store, chunks, self.target_layers)
-        return self.model.forward_hidden(torch.tensor(ids), attn.positions, attn)  # [T, d]
+    def _ids(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        return ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=self.device)
 
-    def _draft(self, chunks: list[Chunk], ids: list[int], prev_hidden: torch.Tensor) -> torch.Tensor:
+    def _target(self, chunks: list[Chunk], ids: list[int] | torch.Tensor) -> torch.Tensor:
+        attn = StoreAttention(self.store, chunks, self.target_layers)
+        return self.model.forward_hidden(self._ids(ids), attn.positions, attn, attn.max_position)  # [T, d]
+
+    def _draft(self, chunks: list[Chunk], ids: list[int] | torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         attn = StoreAttention(self.store, chunks, [self.draft_layer])
-        return self.model.draft_hidden(prev_hidden, torch.tensor(ids), attn.positions, attn)  # [T, d]
+        return self.model.draft_hidden(prev_hidden, self._ids(ids), attn.positions, attn,
+                                       max_position=attn.max_position)  # [T, d]
 
     # --- prefill --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -82,16 +90,23 @@ class ModelRunner:
                 done[i] += c.n
         hidden = [torch.cat(h) for h in hidden]
         last = self.model.logits(torch.stack([h[-1] for h in hidden]))  # [B, V]
-        return [PrefillOutput(choose(lg, s.params, s.gen)[0], h) for s, h, lg in zip(seqs, hidden, last)]
+        first = BatchSampling(seqs, self.vocab, device=self.device).choose(last).tolist()
+        return [PrefillOutput(t, h) for t, h in zip(first, hidden)]
 
     @torch.inference_mode()
-    def fill_draft_window(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        """Draft K/V of entries max(1, L-W+1) .. L-1 from the prompt's target hidden [L, d]:
-        exactly what decode's first draft query (position L) reads."""
-        L = len(seq.prompt)
-        lo = max(1, L - self.window + 1)
-        if lo < L:
-            self._draft([Chunk(seq.request_id, lo, L - lo, floor=lo)], seq.prompt[lo:L], hidden[lo - 1:L - 1])
+    def fill_draft_windows(self, seqs: list[Sequence], hiddens: list[torch.Tensor]) -> None:
+        """Draft K/V of entries max(1, L-W+1) .. L-1 of each prompt from its target hidden [L, d]:
+        exactly what decode's first draft query (position L) reads. One forward for the batch."""
+        chunks, ids, prev = [], [], []
+        for seq, hidden in zip(seqs, hiddens):
+            L = len(seq.prompt)
+            lo = max(1, L - self.window + 1)
+            if lo < L:
+                chunks.append(Chunk(seq.request_id, lo, L - lo, floor=lo))
+                ids += seq.prompt[lo:L]
+                prev.append(hidden[lo - 1:L - 1])
+        if chunks:
+            self._draft(chunks, ids, torch.cat(prev))
 
     # --- decode start (what arrived from prefill) -------------------------------------------
     def start_decode(self, seq: Sequence, first_token: int, hidden_tail: torch.Tensor, draft_state: str) -> None:
@@ -117,11 +132,11 @@ class ModelRunner:
         if self.spec.enabled:
             return self._spec_step(seqs)
         out = self._target([Chunk(s.request_id, s.length, 1) for s in seqs], [s.last_token for s in seqs])
-        logits = self.model.logits(out)  # [B, V]
+        tokens = BatchSampling(seqs, self.vocab, device=self.device).choose(self.model.logits(out)).tolist()
         emitted = []
-        for s, lg in zip(seqs, logits):
+        for s, t in zip(seqs, tokens):
             s.length += 1
-            emitted.append(s.emit([choose(lg, s.params, s.gen)[0]]))
+            emitted.append(s.emit([t]))
         return emitted
 
     def draft_tokens(self, seq: Sequence) -> int:
@@ -131,49 +146,89 @@ class ModelRunner:
 
     def _spec_step(self, seqs: list[Sequence]) -> list[list[int]]:
         ks = [self.draft_tokens(s) for s in seqs]  # k_b; 0: plain decode inside the same forward
-        drafts, q_probs = self._draft_chain(seqs, ks)  # [B][k_b] tokens, [B][k_b] probs or None
+        K, B = max(ks), len(seqs)
+        noise = BatchSampling(seqs, self.vocab, ks, self.device)
+        drafts, q = self._draft_chain(seqs, ks, noise)  # [B, K] on the device; q [Ns, K, V] or None
         verify = [Chunk(s.request_id, s.length, k + 1) for s, k in zip(seqs, ks)]
-        ids = [t for s, d in zip(seqs, drafts) for t in [s.last_token] + d]
-        hidden = self._target(verify, ids)  # [sum(k_b+1), d]
-        logits = self.model.logits(hidden)  # [sum(k_b+1), V]
-        sizes = [k + 1 for k in ks]  # each sequence's rows of hidden and logits
-        emitted = []
-        for s, k, d, q, h, lg in zip(seqs, ks, drafts, q_probs, hidden.split(sizes), logits.split(sizes)):
-            accepted, bonus = accept_drafts(d, q, lg, s.params, s.gen)  # h: [k_b+1, d], lg: [k_b+1, V]
+        chain = torch.cat((torch.tensor([[s.last_token] for s in seqs], device=self.device), drafts), 1)  # [B, K+1]
+        ids = chain.view(-1) if min(ks) == K else chain.view(-1)[self._host_index(
+            [b * (K + 1) + j for b, k in enumerate(ks) for j in range(k + 1)])]
+        hidden = self._target(verify, ids)  # [T, d], T = sum(k_b + 1)
+        logits = self.model.logits(hidden)  # [T, V]
+        offsets = [0]
+        for k in ks:
+            offsets.append(offsets[-1] + k + 1)
+        at = self._host_index([[offsets[b] + min(j, k) for j in range(K + 1)] for b, k in enumerate(ks)])  # [B, K+1]
+        accepted, emitted = self._verify(drafts, ks, logits, at, q, noise)
+        result = torch.cat((drafts, accepted[:, None], emitted[:, None]), 1).tolist()  # the step's one host sync
+        out = []
+        for b, (s, k, row) in enumerate(zip(seqs, ks, result)):
+            a, bonus = row[K], row[K + 1]
             if k:  # a request without drafts reports no speculation
-                s.stats.record(k, accepted)
+                s.stats.record(k, a)
             n = s.length
-            s.length = n + accepted + 1  # t_n and the accepted drafts are now committed
+            s.length = n + a + 1  # t_n and the accepted drafts are now committed
             self.store.rollback(s.request_id, s.length)
-            s.draft_len, s.pending_hidden = n + 1, h[:accepted + 1]  # h_n .. h_{n+accepted}
-            emitted.append(s.emit(d[:accepted] + [bonus]))
-        return emitted
+            s.draft_len, s.pending_hidden = n + 1, hidden[offsets[b]:offsets[b] + a + 1]  # h_n .. h_{n+a}
+            out.append(s.emit(row[:a] + [bonus]))
+        return out
 
-    def _draft_chain(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[list]]:
-        """Draft k_b tokens for each sequence; those with k_b = 0 take no draft forward at all
-        (they never draft, so they never read their draft entries)."""
-        drafts, probs = [[] for _ in seqs], [[] for _ in seqs]
-        rows = [b for b, k in enumerate(ks) if k > 0]  # row i of `last` is seqs[rows[i]]
-        if not rows:
-            return drafts, probs
-        live = [seqs[b] for b in rows]
+    def _host_index(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _verify(self, drafts: torch.Tensor, ks: list[int], logits: torch.Tensor, at: torch.Tensor,
+                q: torch.Tensor | None, noise: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """drafts [B, K], logits [T, V] of the verified positions, at [B, K+1] their rows per
+        sequence -> (accepted [B], emitted [B]). Greedy rows: the longest prefix equal to the
+        target's argmax; sampled rows: `sampling.accept`."""
+        K = drafts.shape[1]
+        best = logits.argmax(-1)[at]  # [B, K+1]
+        drafted = torch.arange(K, device=self.device) < self._host_index(ks)[:, None]
+        accepted = ((drafts == best[:, :K]) & drafted).long().cumprod(-1).sum(-1)  # [B]
+        emitted = best.gather(1, accepted[:, None])[:, 0]
+        if noise.any:
+            rows = noise.index
+            p = noise.probs(logits[at[rows]])  # [Ns, K+1, V]
+            accepted[rows], emitted[rows] = sampling.accept(drafts[rows], noise.ks, q, p, noise.uniform,
+                                                            noise.emission_noise)
+        return accepted, emitted
+
+    def _draft_chain(self, seqs: list[Sequence], ks: list[int], noise: BatchSampling
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft max(k_b) tokens for every sequence with k_b > 0, in one batch (a row past its own
+        k_b drafts tokens nobody verifies; its draft entries there are overwritten before they are
+        read). Sequences with k_b = 0 take no draft forward at all (they never read their draft
+        entries). -> drafts [B, K] (0 where not drafted), q [Ns, K, V] for the sampled rows."""
+        B, K = len(seqs), max(ks)
+        drafts = torch.zeros((B, K), dtype=torch.long, device=self.device)
+        live = [b for b, k in enumerate(ks) if k > 0]  # row i of `last` is seqs[live[i]]
+        q = torch.zeros((len(noise.rows), K, self.vocab), device=self.device) if noise.any else None
+        if not live:
+            return drafts, q
+        pos_in_noise = {b: i for i, b in enumerate(noise.rows)}
+        sampled = [(i, pos_in_noise[b]) for i, b in enumerate(live) if b in pos_in_noise]
+        s_live, s_noise = (self._host_index(list(x)) for x in zip(*sampled)) if sampled else (None, None)
+        chain = [seqs[b] for b in live]
         # first draft forward: entries draft_len .. length (the last one queries the next token)
-        chunks = [Chunk(s.request_id, s.draft_len, s.length - s.draft_len + 1, floor=s.draft_floor) for s in live]
-        ids = [t for s in live for t in s.tokens[s.draft_len:s.length + 1]]
-        g = self._draft(chunks, ids, torch.cat([s.pending_hidden for s in live]))
-        last = torch.stack([x[-1] for x in g.split([c.n for c in chunks])])  # [B', d]
-        for j in range(max(ks)):
+        chunks = [Chunk(s.request_id, s.draft_len, s.length - s.draft_len + 1, floor=s.draft_floor) for s in chain]
+        ids = [t for s in chain for t in s.token_span(s.draft_len, s.length + 1)]
+        g = self._draft(chunks, ids, torch.cat([s.pending_hidden for s in chain]))
+        ends = self._host_index([sum(c.n for c in chunks[:i + 1]) - 1 for i in range(len(chunks))])
+        last = g[ends]  # [B', d]
+        columns = []
+        for j in range(K):
             logits = self.model.logits(last)  # [B', V]
-            for b, lg in zip(rows, logits):
-                token, q = choose(lg, seqs[b].params, seqs[b].gen)
-                drafts[b].append(token)
-                probs[b].append(q)
-            keep = [i for i, b in enumerate(rows) if ks[b] > j + 1]  # the rows that draft again
-            if not keep:
-                break
-            if len(keep) < len(rows):
-                rows, last = [rows[i] for i in keep], last[keep]  # [B'', d]
-            # chain: the draft's own hidden state stands in for the target's
-            chunks = [Chunk(seqs[b].request_id, seqs[b].length + j + 1, 1, floor=seqs[b].draft_floor) for b in rows]
-            last = self._draft(chunks, [drafts[b][-1] for b in rows], last)
-        return drafts, probs
+            token = logits.argmax(-1)  # [B']
+            if sampled:
+                p = noise.probs(logits[s_live][:, None], s_noise)[:, 0]  # [Ns', V]
+                token[s_live] = race(p, noise.draft_noise[s_noise, j])
+                q[s_noise, j] = p
+            columns.append(token)
+            if j + 1 < K:  # chain: the draft's own hidden state stands in for the target's
+                chunks = [Chunk(s.request_id, s.length + j + 1, 1, floor=s.draft_floor) for s in chain]
+                last = self._draft(chunks, token, last)
+        drafted = torch.stack(columns, 1)  # [B', K]
+        if len(live) == B:
+            return drafted, q
+        drafts[self._host_index(live)] = drafted
+        return drafts, q

@@ -68,6 +68,13 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_span(self, lo: int, hi: int) -> list[int]:
+        """tokens[lo:hi] without building the whole list."""
+        P = len(self.prompt)
+        if lo >= P:
+            return self.output[lo - P:hi - P]
+        return self.prompt[lo:hi] + self.output[:max(0, hi - P)]
+
     @property
     def last_token(self) -> int:
         return self.output[-1]

@@ -8,7 +8,14 @@ Tensors (docs/architecture.md), one per component, routed by `route_layers`:
 with R = span = W + max_draft_tokens. Draft FULL layers share the target's page tables; draft
 sliding layers share the target's slot (ring) or full->SWA mapping (paged).
 
-Request lifecycle (no locking: one owner thread drives a store):
+Request lifecycle. Two owners share a store, and need no lock: reservations (`allocate`, `free`:
+the page, slot and SWA-page pools, the block table row of a new slot) may run on a service's
+event loop while its engine thread advances the requests it holds (`extend`, `rollback`, reads
+of the block table and the SWA mapping for those requests). No structure is mutated by both:
+the pools only by allocate/free, a request's lengths and SWA mapping only by its own
+extend/rollback (and by free, once no step holds it), and the dictionaries both touch only see
+single inserts, pops and lookups, which the GIL makes atomic. A request is freed only when no
+step is using it.
     allocate(rid, num_tokens)  reserve all pages for num_tokens positions, one slot and (paged)
                                the SWA pages of a span; all-or-nothing, else OutOfCapacity
     extend(rid, new_len)       positions length..new_len-1 become writable; never fails within
@@ -41,7 +48,8 @@ from baton.shared.model.config import ModelConfig
 
 
 @dataclass
-class _Request:
+class RequestKV:
+    """One request's reservation and progress (the store's own bookkeeping)."""
     num_tokens: int
     pages: list[int]
     page_table: torch.Tensor  # [len(pages)] long, on the store's device
@@ -85,7 +93,13 @@ class KVStore:
                                torch.uint8)  # [1, num_slots, item_bytes]
         self._layer = {layer_id: (key, i) for key in self.keys
                        for i, layer_id in enumerate(self.routing.layers_of(key))}
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestKV] = {}
+        # FULL page ids of each slot's request, read by the engine's per-step metadata (nano-vllm's
+        # block_tables): [num_slots, max_pages_per_request], long, on the store's device
+        self.max_pages_per_request = min(num_pages, -(-(cfg.max_position_embeddings + max_draft_tokens + 1)
+                                                    // page_size))
+        self.block_table = torch.zeros((num_slots, self.max_pages_per_request), dtype=torch.long,
+                                       device=self.device)
 
     # --- request lifecycle ----------------------------------------------------------------
     def allocate(self, request_id: str, num_tokens: int) -> Allocation:
@@ -98,14 +112,19 @@ class KVStore:
         needs = [(n_pages, self.pages), (1, self.slots)]
         if self.swa:
             needs.append((n_swa, self.swa.pool))
+        if n_pages > self.max_pages_per_request:
+            raise KVError(f"request {request_id!r} of {num_tokens} tokens needs {n_pages} pages; a request "
+                          f"may hold at most {self.max_pages_per_request} (max_position_embeddings "
+                          f"{self.cfg.max_position_embeddings}, page size {self.page_size})")
         short = [f"{need} {pool.what} ({pool.num_free} free)"
                  for need, pool in needs if need > pool.num_free]
         if short:
             raise OutOfCapacity(f"cannot allocate request {request_id!r} of {num_tokens} tokens: "
                                 f"needs {', '.join(short)}")
         pages = self.pages.take(n_pages)
-        req = _Request(num_tokens=num_tokens, pages=pages, slot=self.slots.take(1)[0],
+        req = RequestKV(num_tokens=num_tokens, pages=pages, slot=self.slots.take(1)[0],
                        page_table=torch.tensor(pages, dtype=torch.long, device=self.device))
+        self.block_table[req.slot, :n_pages] = req.page_table
         if self.swa:
             self.swa.reserve(request_id, n_swa)
         self._requests[request_id] = req
@@ -184,6 +203,10 @@ class KVStore:
     def length(self, request_id: str) -> int:
         return self._req(request_id).length
 
+    def request(self, request_id: str) -> RequestKV:
+        """The request's bookkeeping (slot, length, floor), read-only for callers."""
+        return self._req(request_id)
+
     # --- capacity, integrity, manifest --------------------------------------------------------
     def free_capacity(self) -> FreeCapacity:
         return FreeCapacity(pages=self.pages.num_free, slots=self.slots.num_free,
@@ -250,12 +273,12 @@ class KVStore:
         return Region(addr=layer.data_ptr(), nbytes=layer.numel() * layer.element_size(),
                       item_bytes=item_bytes)
 
-    def _swa_window(self, req: _Request) -> list[bool]:
+    def _swa_window(self, req: RequestKV) -> list[bool]:
         """Which page indices of the request are resident in SWA pages: floor..length-1."""
         lo, hi = req.floor // self.page_size, -(-req.length // self.page_size)
         return [lo <= i < hi for i in range(len(req.pages))]
 
-    def _sync_swa(self, request_id: str, req: _Request) -> None:
+    def _sync_swa(self, request_id: str, req: RequestKV) -> None:
         if self.swa:
             window = self._swa_window(req)
             self.swa.remap(request_id, [p for p, keep in zip(req.pages, window) if keep])
@@ -263,7 +286,7 @@ class KVStore:
     def _has_sliding(self) -> bool:
         return any(key.kind != FULL for key in self.keys)
 
-    def _req(self, request_id: str) -> _Request:
+    def _req(self, request_id: str) -> RequestKV:
         req = self._requests.get(request_id)
         if req is None:
             raise KVError(f"request {request_id!r} is not allocated")
