@@ -132,8 +132,8 @@ class DecodeWorker:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {msg.request_id} is already reserved here")
         positions = len(seq.prompt) + seq.max_tokens + self.config.draft_tokens + 1
         await self._ensure_peer(msg.prefill_worker_id)
-        try:
-            alloc = await self.engine.call(self._allocate, msg.request_id, positions, len(seq.prompt))
+        try:  # bookkeeping, on the loop: it never waits behind a decode step on the engine thread
+            alloc = self._allocate(msg.request_id, positions, len(seq.prompt))
         except KVError as exc:
             raise BatonError(ErrorCode.BUSY, f"decode {self.config.worker_id}: {exc}") from None
         self.requests_total += 1
@@ -147,8 +147,9 @@ class DecodeWorker:
                             allocation=to_plain(alloc))
 
     def _allocate(self, request_id: str, positions: int, prompt_len: int):
-        """Engine thread: reserve every position the request may write; the prompt's positions
-        are the ones prefill will fill, so they count as written (the plan checks this)."""
+        """Reserve every position the request may write; the prompt's positions are the ones
+        prefill will fill, so they count as written (the plan checks this). Runs on the event loop
+        while the engine thread may be stepping other requests: see KVStore on the two owners."""
         self.store.allocate(request_id, positions)
         self.store.extend(request_id, prompt_len)
         return self.store.allocation(request_id)
@@ -206,7 +207,7 @@ class DecodeWorker:
                 await self._publish_error(req, BatonError(ErrorCode.INTERNAL, f"state transfer for "
                                                           f"{req.seq.request_id} failed: {event.reason}"))
             elif event.kind is EventKind.RELEASE:
-                await self.engine.call(self.store.free, req.seq.request_id)
+                self.store.free(req.seq.request_id)  # never started: no step holds it
                 self.requests.pop(event.tag, None)
 
     def _start(self, req: Request) -> None:
@@ -253,7 +254,7 @@ class DecodeWorker:
             self.metrics.acceptance_length.observe(stats.acceptance_length())
         log_request("decode", req.seq.request_id, outcome=reason, completion_tokens=len(req.seq.output),
                     draft_state=req.draft_state, at=req.at, **stats.as_dict())
-        await self.engine.call(self.store.free, req.seq.request_id)
+        self.store.free(req.seq.request_id)  # between steps: no step holds it
         self.requests.pop(tag, None)
 
     async def _publish(self, req: Request, tokens: list[int], finish_reason: str | None = None) -> None:
