@@ -14,7 +14,7 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (LookupReply, LookupRequest, PrefillDispatch, PrefillDone,
                                   SamplingParams)
-from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest
+from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.model.heldout import heldout_prompts
@@ -41,6 +41,19 @@ async def outcome(bus: Bus, p: list[int], max_tokens: int, request_id: str | Non
                                                                     request_id=request_id), GenerateReply, timeout=120)
     except BatonError as exc:
         return exc
+
+
+async def cancel_after_first_tokens(bus: Bus, p: list[int], request_id: str) -> StreamChunk:
+    """Stream a long request and cancel it once decode has streamed tokens (the decoding stage,
+    however fast decode is); returns the last chunk."""
+    request = GenerateRequest(token_ids=p, max_tokens=300, stream=True, request_id=request_id)
+    last, cancelled = None, False
+    async with bus.stream_request(subjects.GENERATE, request, StreamChunk, timeout_per_message=120) as chunks:
+        async for last in chunks:
+            if last.token_ids and not cancelled:
+                cancelled = (await bus.request(subjects.CANCEL, CancelRequest(request_id=request_id),
+                                               CancelReply)).cancelled
+    return last
 
 
 def kill(cluster, role: str, index: int = 0) -> None:
@@ -137,13 +150,15 @@ def test_cancel_at_every_stage_frees_everything(reference, monkeypatch):
     with running_cluster(prefill=1, decode=1) as cluster:
         async def run():
             async with await Bus.connect(cluster.nats_url, "test") as bus:
-                for i, wait_s in enumerate([0.0, 0.3, 1.0, 2.5]):  # queued/prefilling, transferring, decoding
+                for i, wait_s in enumerate([0.0, 0.3, 1.0]):  # queued/prefilling, transferring
                     rid = f"cancel-stage-{i}"
                     task = asyncio.create_task(outcome(bus, prompt(60, 40 + i), 300, request_id=rid))
                     await asyncio.sleep(wait_s)
                     await bus.request(subjects.CANCEL, CancelRequest(request_id=rid), CancelReply)
                     result = await task
                     assert isinstance(result, BatonError) or result.finish_reason == "abort", result
+                last = await cancel_after_first_tokens(bus, prompt(60, 43), "cancel-stage-decoding")
+                assert last.finished and last.finish_reason == "abort" and last.usage.completion_tokens < 300, last
                 p = prompt(33, 50)
                 assert_exact(reference, p, await outcome(bus, p, 12), 12)
             await wait_all_free(cluster.nats_url)
