@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,33 @@ async def outcome(bus: Bus, p: list[int], max_tokens: int, request_id: str | Non
         return exc
 
 
+@dataclass
+class Streamed:
+    """A streamed request's outcome, shaped like the GenerateReply fields the checks read."""
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+async def streamed(bus: Bus, p: list[int], max_tokens: int, decoding: asyncio.Event):
+    """A streaming request; `decoding` is set once its first tokens arrived. Returns a Streamed,
+    or the BatonError (never a hang: every message has a timeout)."""
+    tokens, last = [], None
+    request = GenerateRequest(token_ids=p, max_tokens=max_tokens, stream=True)
+    try:
+        async with bus.stream_request(subjects.GENERATE, request, StreamChunk, timeout_per_message=120) as chunks:
+            async for last in chunks:
+                tokens += last.token_ids
+                if tokens:
+                    decoding.set()
+    except BatonError as exc:
+        return exc
+    return Streamed(tokens, last.finish_reason)
+
+
+async def wait_decoding(events: list[asyncio.Event], timeout_s: float = 120) -> None:
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), timeout_s)
+
+
 async def cancel_after_first_tokens(bus: Bus, p: list[int], request_id: str) -> StreamChunk:
     """Stream a long request and cancel it once decode has streamed tokens (the decoding stage,
     however fast decode is); returns the last chunk."""
@@ -70,7 +98,7 @@ def migrations(cluster) -> list[int]:
 
 
 def assert_exact(reference, p, reply, n) -> None:
-    assert isinstance(reply, GenerateReply), reply
+    assert isinstance(reply, (GenerateReply, Streamed)), reply
     assert reply.token_ids == reference.greedy(p, n)[:len(reply.token_ids)] and reply.finish_reason in ("length", "stop")
 
 
@@ -79,8 +107,9 @@ def test_decode_killed_mid_request_continues_on_another(reference):
         async def run():
             async with await Bus.connect(cluster.nats_url, "test") as bus:
                 prompts = [prompt(40, s) for s in range(4)]
-                tasks = [asyncio.create_task(outcome(bus, p, 400)) for p in prompts]
-                await asyncio.sleep(2.0)  # all four are decoding, spread over both decode workers
+                decoding = [asyncio.Event() for _ in prompts]
+                tasks = [asyncio.create_task(streamed(bus, p, 400, d)) for p, d in zip(prompts, decoding)]
+                await wait_decoding(decoding)  # all four are decoding, spread over both decode workers
                 started = time.monotonic()
                 kill(cluster, "decode", 0)
                 results = await asyncio.gather(*tasks)
@@ -191,8 +220,9 @@ def test_sigterm_of_one_decode_loses_no_request(reference):
         async def run():
             async with await Bus.connect(cluster.nats_url, "test") as bus:
                 prompts = [prompt(40, s) for s in range(10, 14)]
-                tasks = [asyncio.create_task(outcome(bus, p, 300)) for p in prompts]
-                await asyncio.sleep(1.5)  # all four are decoding, spread over both decode workers
+                decoding = [asyncio.Event() for _ in prompts]
+                tasks = [asyncio.create_task(streamed(bus, p, 300, d)) for p, d in zip(prompts, decoding)]
+                await wait_decoding(decoding)  # all four are decoding, spread over both decode workers
                 decode = next(proc for role, proc in cluster.children if role == "decode")
                 decode.send_signal(signal.SIGTERM)
                 code = await asyncio.get_running_loop().run_in_executor(None, decode.wait, 60)
