@@ -41,22 +41,23 @@ def chunk_mask(q_pos, old_pos, window):
     return allowed | (q_pos < 0)[:, :, None]
 
 
-def chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window, mask=None):
-    """mask: chunk_mask(q_pos, old_pos, window)[:, None] when the caller has it already ([B, 1, Q, M+Q],
-    shared by every layer of a pool). GQA reads each KV head once (enable_gqa), no copies."""
-    keys = torch.cat((k_cache[old_rows], k_new), dim=1).transpose(1, 2)  # [B, Hkv, M+Q, D]
-    values = torch.cat((v_cache[old_rows], v_new), dim=1).transpose(1, 2)
-    if mask is None:
-        mask = chunk_mask(q_pos, old_pos, window)[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                         enable_gqa=True)  # [B, H, Q, D]
+def attend(q, kv, mask):
+    """q [B, Q, H, D], kv [B, M+Q, 2, Hkv, D] (cached keys/values, then the chunk's own), mask
+    [B, 1, Q, M+Q] -> [B, Q, H, D]. GQA reads each KV head once (enable_gqa), no copies."""
+    keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, Hkv, M+Q, D]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2)  # [B, Q, H, D]
 
 
-def chunk_attention(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window, mask=None):
-    """Dispatch point: Triton on CUDA (see kernels/README.md), the torch reference elsewhere.
-    `mask` is a precomputed reference mask; the Triton kernel masks by position and ignores it."""
+def chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window):
+    kv_old = torch.stack((k_cache[old_rows], v_cache[old_rows]), 2)  # [B, M, 2, Hkv, D]
+    kv = torch.cat((kv_old, torch.stack((k_new, v_new), 2)), 1)  # [B, M+Q, 2, Hkv, D]
+    return attend(q, kv, chunk_mask(q_pos, old_pos, window)[:, None])
+
+
+def chunk_attention(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window):
+    """Dispatch point: Triton on CUDA (see kernels/README.md), the torch reference elsewhere."""
     if use_triton(q):
         from baton.kernels.chunk_attention_triton import chunk_attention_triton
         return chunk_attention_triton(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window)
-    return chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window, mask)
+    return chunk_attention_reference(q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window)

@@ -200,17 +200,24 @@ def test_a_decode_step_reads_the_device_once(model, params):
         assert counter.syncs == 1
 
 
-def test_step_metadata_does_not_grow_with_the_number_of_layers():
-    """The attention metadata of a forward is built once per pool, so its op count is the same for
-    a 2-layer and a 10-layer model with the same pools."""
-    counts = []
+def test_step_metadata_does_not_grow_with_the_number_of_layers(monkeypatch):
+    """A forward builds its attention metadata once per pool, whatever the number of layers: a
+    2-layer and a 10-layer model with the same two pools build the same metadata, twice (read and
+    write rows per pool), and do the same number of tensor ops doing it."""
+    builds = []
+    for name in ("_read_meta", "_writes"):
+        original = getattr(StoreAttention, name)
+        monkeypatch.setattr(StoreAttention, name,
+                            lambda self, key, *a, _f=original, _n=name: builds.append((_n, key)) or _f(self, key, *a))
+    seen = []
     for layers in ((SLIDING, FULL), (SLIDING, FULL) * 5):
         model = tiny_model(61, layers, window=W)
         store = KVStore(model.cfg, mode="ring", num_pages=64, page_size=4, num_slots=4, max_draft_tokens=K)
         for i, n in enumerate((5, 2 * W + 1)):
             store.allocate(f"r{i}", 60)
             store.extend(f"r{i}", n)
+        builds.clear()
         with DispatchCounter() as counter:
             StoreAttention(store, [Chunk("r0", 5, K + 1), Chunk("r1", 2 * W + 1, 1)], list(range(len(layers))))
-        counts.append(counter.ops)
-    assert counts[0] == counts[1]
+        seen.append((sorted(builds), counter.ops))
+    assert seen[0] == seen[1] and len(seen[0][0]) == 4  # 2 pools x (read, write)

@@ -1,11 +1,10 @@
 """Attention over a KVStore for one batched forward (prefill chunks, decode, verify, draft).
 
 The step's metadata is built once per forward and per pool, never per layer (nano-vllm's
-`block_tables` / `context_lens` / `slot_mapping`): the host packs a few integers per sequence
-(start, length, slot, lowest readable position) into one tensor, copied to the store's device
-in one transfer; every index the layers need is then derived there from the store's block table
-(FULL, paged SWA) or slot (ring) and shared by all layers of the pool. Nothing inside the
-forward syncs with the host or has a data-dependent shape.
+`block_tables` / `context_lens` / `slot_mapping`): on the host, with numpy over flat integer
+arrays — each sequence's start, length, slot and lowest readable position, the store's block
+table (FULL, paged SWA) or ring slot — then handed to the engine's device, where every layer of
+the pool shares it. Nothing inside the forward syncs with the host or has a data-dependent shape.
 
 Every forward follows one order, so sliding storage (rings, SWA pages) is never read after it
 was overwritten:
@@ -18,11 +17,11 @@ was overwritten:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
+import numpy as np
 import torch
 
-from baton.kernels.attention import chunk_attention, chunk_mask
+from baton.kernels.attention import attend, chunk_attention
 from baton.kernels.dispatch import use_triton
 from baton.shared.kv.allocator import KVError
 from baton.shared.kv.routing import FULL, SWA, SWA_RING, PoolKey
@@ -40,18 +39,13 @@ class Chunk:
 
 @dataclass
 class _PoolMeta:
-    """What every layer of one pool reads and writes in this forward."""
+    """What every layer of one pool reads and writes in this forward (on the engine's device)."""
     window: int | None
     old_rows: torch.Tensor  # [B, M] cache rows of the earlier positions each chunk may see
     old_pos: torch.Tensor  # [B, M] their positions, -1 where not visible
-    q_pos: torch.Tensor  # [B, Q] the chunk's positions, -1 for padding
+    mask: torch.Tensor  # [B, 1, Q, M+Q] which keys (cached, then the chunk's own) each query sees
     write_rows: torch.Tensor | None = None  # [W] rows the new K/V go to
     write_tokens: torch.Tensor | None = None  # [W] which flat tokens those are; None: all of them
-
-    @cached_property
-    def mask(self) -> torch.Tensor:
-        """[B, 1, Q, M+Q] for the torch reference (the Triton kernel masks by position itself)."""
-        return chunk_mask(self.q_pos, self.old_pos, self.window)[:, None]
 
 
 class StoreAttention:
@@ -62,42 +56,39 @@ class StoreAttention:
             if not 0 <= c.start <= r.length:
                 raise KVError(f"request {c.request_id!r}: a chunk at {c.start} leaves a gap after "
                               f"its {r.length} stored positions")
-        B, Q = len(chunks), max(c.n for c in chunks)
-        self.max_position = max(c.start + c.n for c in chunks) - 1
-        self._pools = {store.routing.key_of(layer) for layer in layer_ids}
         self._pool_of = {layer: store.routing.key_of(layer) for layer in layer_ids}
-        self._uniform = all(c.n == Q for c in chunks)  # then padded [B, Q] is a view of flat [T]
-        lows = {key: self._read_floors(key, reqs) for key in sorted(self._pools)}
-        host = [c.start for c in chunks] + [c.n for c in chunks] + [r.slot for r in reqs]
-        for key in sorted(self._pools):
-            host += lows[key]
+        self._starts = np.array([c.start for c in chunks], dtype=np.int64)  # [B]
+        self._ns = np.array([c.n for c in chunks], dtype=np.int64)
+        self._slots = np.array([r.slot for r in reqs], dtype=np.int64)
+        B, Q = len(chunks), int(self._ns.max())
+        self.max_position = int((self._starts + self._ns).max()) - 1
+        self._uniform = bool((self._ns == Q).all())  # then padded [B, Q] is a view of flat [T]
+        cols = np.arange(Q)
+        self._q_pos = np.where(cols < self._ns[:, None], self._starts[:, None] + cols, -1)  # [B, Q]
+        flat = self._q_pos.reshape(-1) >= 0
+        self._positions = self._q_pos.reshape(-1)[flat]  # [T] in flat token order
+        self.q_pos, self.positions = self._device(self._q_pos), self._device(self._positions)
         if not self._uniform:
-            host += self._padding_index(Q)
-        packed = torch.tensor(host, dtype=torch.long).to(store.device, non_blocking=True)
-        self._starts, self._ns, self._slots = packed[:B], packed[B:2 * B], packed[2 * B:3 * B]
-        offset, low_t = 3 * B, {}
-        for key in sorted(self._pools):
-            low_t[key], offset = packed[offset:offset + B], offset + B
-        if not self._uniform:
-            T = sum(c.n for c in chunks)
-            self._pad, self._unpad = packed[offset:offset + B * Q], packed[offset + B * Q:offset + B * Q + T]
-        cols = torch.arange(Q, device=store.device)
-        self.q_pos = torch.where(cols < self._ns[:, None], self._starts[:, None] + cols, -1)  # [B, Q]
-        self.positions = self.q_pos.view(-1) if self._uniform else self.q_pos.view(-1)[self._unpad]  # [T]
-        self._meta = {key: self._read_meta(key, low_t[key], max(c.start for c in chunks)) for key in self._pools}
+            T = len(self._positions)
+            pad = np.zeros(B * Q, dtype=np.int64)
+            pad[flat] = np.arange(T)
+            self._pad, self._unpad = self._device(pad), self._device(np.flatnonzero(flat))
+        pools = sorted(set(self._pool_of.values()))
+        self._meta = {key: self._read_meta(key, self._read_floors(key, reqs)) for key in pools}
         for c, r in zip(chunks, reqs):
             if r.length < c.start + c.n:
                 store.extend(c.request_id, c.start + c.n)
-        for key in self._pools:
+        for key in pools:
             self._meta[key].write_rows, self._meta[key].write_tokens = self._writes(key, reqs)
 
-    # --- metadata (once per forward and pool) -----------------------------------------------
-    def _window(self, key: PoolKey) -> int | None:
-        return self.store.cfg.window_of(self.store.routing.layers_of(key)[0])
+    def _device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor if self.store.device.type == "cpu" else tensor.to(self.store.device, non_blocking=True)
 
-    def _read_floors(self, key: PoolKey, reqs) -> list[int]:
-        """Lowest cached position each chunk reads in this pool (host ints)."""
-        window = self._window(key)
+    # --- metadata (once per forward and pool, on the host) ------------------------------------
+    def _read_floors(self, key: PoolKey, reqs) -> np.ndarray:
+        """Lowest cached position each chunk reads in this pool, [B]."""
+        window = self.store.windows[key]
         lows = []
         for c, r in zip(self.chunks, reqs):
             lo = max(c.floor, 0 if window is None else c.start - window + 1, 0)
@@ -105,85 +96,77 @@ class StoreAttention:
                 raise KVError(f"request {c.request_id!r} ({key.name}): positions {lo}..{c.start - 1} are "
                               f"needed but those below {r.floor} are no longer stored")
             lows.append(lo)
-        return lows
+        return np.array(lows, dtype=np.int64)
 
-    def _padding_index(self, Q: int) -> list[int]:
-        """pad [B*Q] (flat token of each padded slot, 0 for padding) and unpad [T] (padded slot of
-        each flat token)."""
-        pad, unpad, offset = [], [], 0
-        for b, c in enumerate(self.chunks):
-            pad += list(range(offset, offset + c.n)) + [0] * (Q - c.n)
-            unpad += range(b * Q, b * Q + c.n)
-            offset += c.n
-        return pad + unpad
-
-    def _read_meta(self, key: PoolKey, low: torch.Tensor, max_start: int) -> _PoolMeta:
+    def _read_meta(self, key: PoolKey, low: np.ndarray) -> _PoolMeta:
         store, ps, B = self.store, self.store.page_size, len(self.chunks)
-        dev, starts = store.device, self._starts[:, None]  # [B, 1]
+        starts = self._starts[:, None]  # [B, 1]
         if key.kind == SWA_RING:
-            R = store.span
-            ring = torch.arange(R, device=dev)
-            rows = self._slots[:, None] * R + ring  # [B, R]
-            pos = (starts - 1) - torch.remainder(starts - 1 - ring, R)  # latest position < start in each row
+            ring = np.arange(store.span)
+            rows = self._slots[:, None] * store.span + ring  # [B, R]
+            pos = (starts - 1) - (starts - 1 - ring) % store.span  # latest position < start in each row
         else:
-            first = torch.div(low, ps, rounding_mode="floor") if key.kind == SWA else torch.zeros_like(low)
-            pages = -(-max_start // ps)  # FULL: every page below the latest start
+            pages = -(-int(self._starts.max()) // ps)  # FULL: every page below the latest start
+            first = np.zeros(B, dtype=np.int64)
             if key.kind == SWA:  # the window's positions lo..start-1 (< W of them) span this many
-                pages = min(pages, -(-self._window(key) // ps) + 1)
-            cols = first[:, None] + torch.arange(pages, device=dev)  # [B, P] page index in the request
-            cols = cols.clamp_max(store.max_pages_per_request - 1)
+                pages, first = min(pages, -(-self.store.windows[key] // ps) + 1), low // ps
+            cols = np.minimum(first[:, None] + np.arange(pages), store.max_pages_per_request - 1)  # [B, P]
             page = store.block_table[self._slots[:, None], cols]  # [B, P] FULL page ids
             if key.kind == SWA:
-                page = store.swa.full_to_swa[page].clamp_min(0)  # [B, P] SWA page ids
-            offs = torch.arange(ps, device=dev)
+                page = np.maximum(store.swa.table[page], 0)  # [B, P] SWA page ids
+            offs = np.arange(ps)
             rows = (page[:, :, None] * ps + offs).reshape(B, -1)  # [B, P*ps]
             pos = (cols[:, :, None] * ps + offs).reshape(B, -1)
-        visible = (pos >= low[:, None]) & (pos < starts)  # [B, M]
-        return _PoolMeta(self._window(key), rows, torch.where(visible, pos, -1), self.q_pos)
+        old_pos = np.where((pos >= low[:, None]) & (pos < starts), pos, -1)  # [B, M]
+        window = self.store.windows[key]
+        return _PoolMeta(window, self._device(rows), self._device(old_pos),
+                         self._device(chunk_mask(self._q_pos, old_pos, window)[:, None]))
 
     def _writes(self, key: PoolKey, reqs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows of the new tokens' K/V after the extend; sliding pools keep only what storage holds
         (a prefill chunk longer than the ring writes its last rows only)."""
         store, ps = self.store, self.store.page_size
-        keep = None
-        if key.kind != FULL and any(r.floor > c.start for c, r in zip(self.chunks, reqs)):
-            keep, offset = [], 0
-            for c, r in zip(self.chunks, reqs):
-                keep += range(offset + max(r.floor, c.start) - c.start, offset + c.n)
-                offset += c.n
-            keep = torch.tensor(keep, dtype=torch.long).to(store.device, non_blocking=True)
-        seq_of = self._seq_of_token()  # [T]
-        pos = self.positions if keep is None else self.positions[keep]
-        slots = self._slots[seq_of if keep is None else seq_of[keep]]
+        pos, slots, keep = self._positions, np.repeat(self._slots, self._ns), None
+        if key.kind != FULL:
+            floors = np.repeat(np.array([r.floor for r in reqs], dtype=np.int64), self._ns)
+            if (pos < floors).any():
+                keep = np.flatnonzero(pos >= floors)
+                pos, slots = pos[keep], slots[keep]
         if key.kind == SWA_RING:
-            return slots * store.span + pos % store.span, keep
-        page = store.block_table[slots, torch.div(pos, ps, rounding_mode="floor")]
-        if key.kind == SWA:
-            page = store.swa.full_to_swa[page]
-        return page * ps + pos % ps, keep
-
-    def _seq_of_token(self) -> torch.Tensor:
-        B, Q = self.q_pos.shape
-        seq = torch.arange(B, device=self.q_pos.device)[:, None].expand(B, Q).reshape(-1)
-        return seq if self._uniform else seq[self._unpad]
+            rows = slots * store.span + pos % store.span
+        else:
+            page = store.block_table[slots, pos // ps]
+            rows = (store.swa.table[page] if key.kind == SWA else page) * ps + pos % ps
+        return self._device(rows), None if keep is None else self._device(keep)
 
     # --- per layer --------------------------------------------------------------------------
     def _padded(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, heads, D] -> [B, Q, heads, D]"""
-        B, Q = self.q_pos.shape
+        """[T, ...] -> [B, Q, ...]"""
+        B, Q = self._q_pos.shape
         return (x if self._uniform else x[self._pad]).view(B, Q, *x.shape[1:])
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]
         meta = self._meta[self._pool_of[layer_id]]
-        k_cache, v_cache = self.store.kv_buffer(layer_id)  # [R, Hkv, D] each
-        qp = self._padded(q)
-        mask = None if use_triton(qp) else meta.mask
-        out = chunk_attention(qp, meta.q_pos, self._padded(k), self._padded(v), k_cache, v_cache,
-                              meta.old_rows, meta.old_pos, meta.window, mask=mask)  # [B, Q, H, D]
-        if meta.write_tokens is not None:
-            k, v = k[meta.write_tokens], v[meta.write_tokens]
-        k_cache.index_copy_(0, meta.write_rows, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.write_rows, v.to(v_cache.dtype))
+        cache = self.store.kv_rows(layer_id)  # [R, 2, Hkv, D]
+        kv = torch.stack((k, v), 1).to(cache.dtype)  # [T, 2, Hkv, D]
+        qp, kvp = self._padded(q), self._padded(kv)  # [B, Q, H, D], [B, Q, 2, Hkv, D]
+        if use_triton(qp):
+            out = chunk_attention(qp, self.q_pos, kvp[:, :, 0], kvp[:, :, 1], cache[:, 0], cache[:, 1],
+                                  meta.old_rows, meta.old_pos, meta.window)
+        else:
+            out = attend(qp, torch.cat((cache[meta.old_rows], kvp), 1), meta.mask)  # [B, Q, H, D]
+        cache.index_copy_(0, meta.write_rows, kv if meta.write_tokens is None else kv[meta.write_tokens])
         out = out.reshape(-1, *out.shape[2:])  # [B*Q, H, D]
         return out if self._uniform else out[self._unpad]
+
+
+def chunk_mask(q_pos: np.ndarray, old_pos: np.ndarray, window: int | None) -> np.ndarray:
+    """[B, Q, M+Q] True where a query may attend a key: cached keys (old_pos) then the chunk's own
+    keys (q_pos); -1 marks padding. Padded queries attend everything (their output is dropped)."""
+    k_pos = np.concatenate((old_pos, q_pos), axis=1)  # [B, M+Q]
+    delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Q, M+Q]
+    allowed = (k_pos[:, None, :] >= 0) & (delta >= 0)
+    if window is not None:
+        allowed &= delta < window
+    return allowed | (q_pos < 0)[:, :, None]

@@ -17,8 +17,10 @@ from baton.shared.kv.allocator import IdPool, require
 
 
 class PagedSwa:
-    def __init__(self, num_pages: int, num_swa_pages: int, device: torch.device):
-        self.full_to_swa = torch.full((num_pages,), -1, dtype=torch.long, device=device)  # [P]
+    def __init__(self, num_pages: int, num_swa_pages: int):
+        # [P] in host memory (the engine builds its step metadata there); `table` is its numpy view
+        self.full_to_swa = torch.full((num_pages,), -1, dtype=torch.long)
+        self.table = self.full_to_swa.numpy()
         self.pool = IdPool(num_swa_pages, "SWA pages")
         self._spare: dict[str, list[int]] = {}  # request -> reserved, unmapped SWA pages
         self._mapped: dict[str, dict[int, int]] = {}  # request -> {full page: SWA page}
@@ -44,8 +46,7 @@ class PagedSwa:
             if page not in mapped:
                 mapped[page] = changed[page] = spare.pop()
         if changed:
-            index = torch.tensor(list(changed), device=self.full_to_swa.device)
-            self.full_to_swa[index] = torch.tensor(list(changed.values()), device=index.device)
+            self.table[list(changed)] = list(changed.values())
 
     def release(self, request_id: str) -> None:
         self.remap(request_id, [])

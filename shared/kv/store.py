@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from baton.shared.kv.allocator import IdPool, KVError, OutOfCapacity, require
@@ -81,7 +82,7 @@ class KVStore:
         if num_swa_pages is None:
             num_swa_pages = num_slots * swa_pages_per_request(self.span, page_size)
         paged = mode == "paged" and any(key.kind == SWA for key in self.keys)
-        self.swa = PagedSwa(num_pages, num_swa_pages, self.device) if paged else None
+        self.swa = PagedSwa(num_pages, num_swa_pages) if paged else None
         shape = (2, cfg.num_key_value_heads, cfg.head_dim)
         items = {FULL: (num_pages, page_size), SWA: (num_swa_pages, page_size),
                  SWA_RING: (num_slots, self.span)}
@@ -94,12 +95,12 @@ class KVStore:
         self._layer = {layer_id: (key, i) for key in self.keys
                        for i, layer_id in enumerate(self.routing.layers_of(key))}
         self._requests: dict[str, RequestKV] = {}
-        # FULL page ids of each slot's request, read by the engine's per-step metadata (nano-vllm's
-        # block_tables): [num_slots, max_pages_per_request], long, on the store's device
+        self.windows = {key: cfg.window_of(self.routing.layers_of(key)[0]) for key in self.keys}  # per pool
+        # FULL page ids of each slot's request, which the engine's per-step metadata reads on the
+        # host (nano-vllm's block_tables): [num_slots, max_pages_per_request] int64, in host memory
         self.max_pages_per_request = min(num_pages, -(-(cfg.max_position_embeddings + max_draft_tokens + 1)
                                                     // page_size))
-        self.block_table = torch.zeros((num_slots, self.max_pages_per_request), dtype=torch.long,
-                                       device=self.device)
+        self.block_table = np.zeros((num_slots, self.max_pages_per_request), dtype=np.int64)
 
     # --- request lifecycle ----------------------------------------------------------------
     def allocate(self, request_id: str, num_tokens: int) -> Allocation:
@@ -124,7 +125,7 @@ class KVStore:
         pages = self.pages.take(n_pages)
         req = RequestKV(num_tokens=num_tokens, pages=pages, slot=self.slots.take(1)[0],
                        page_table=torch.tensor(pages, dtype=torch.long, device=self.device))
-        self.block_table[req.slot, :n_pages] = req.page_table
+        self.block_table[req.slot, :n_pages] = pages
         if self.swa:
             self.swa.reserve(request_id, n_swa)
         self._requests[request_id] = req
@@ -175,7 +176,7 @@ class KVStore:
             return req.slot * self.span + positions % self.span
         page = req.page_table[positions // ps]  # [n] FULL page ids
         if key.kind == SWA:
-            page = self.swa.full_to_swa[page]  # [n] SWA page ids
+            page = self.swa.full_to_swa[page.cpu()].to(self.device)  # [n] SWA page ids
         return page * ps + positions % ps
 
     def first_resident(self, request_id: str, layer_id: int) -> int:
@@ -185,9 +186,13 @@ class KVStore:
 
     def kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) views of one layer, each [total_rows, kv_heads, head_dim]."""
-        key, index = self._layer_of(layer_id)
-        rows = self.data[key][index].view(-1, 2, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        rows = self.kv_rows(layer_id)
         return rows[:, 0], rows[:, 1]
+
+    def kv_rows(self, layer_id: int) -> torch.Tensor:
+        """One layer's K and V together, [total_rows, 2, kv_heads, head_dim] (a view)."""
+        key, index = self._layer_of(layer_id)
+        return self.data[key][index].view(-1, 2, self.cfg.num_key_value_heads, self.cfg.head_dim)
 
     def aux_row(self, request_id: str) -> torch.Tensor:
         """The request's aux row, uint8 [item_bytes] (see aux.pack_aux / unpack_aux)."""

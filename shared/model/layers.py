@@ -32,6 +32,13 @@ class Attention(Protocol):
         """
 
 
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, computed in fp32."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), eps=eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """weight * x / rms(x) in fp32, as `transformers`' Qwen3RMSNorm (F.rms_norm is bitwise equal)."""
 
@@ -41,7 +48,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        if x.dtype == torch.float32:  # weight * normalised x, fused (bitwise the same)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * rms(x, self.eps)
 
 
 class Linear(nn.Linear):
@@ -115,22 +124,26 @@ class Rotary(nn.Module):
         self.cos = torch.cat((freqs, freqs), dim=-1).cos()  # [n, D]
         self.sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)  # [n, D]
 
-    def forward(self, positions: torch.Tensor, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin_signed), each [T, 1, D] (broadcast over heads).
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin_signed) in `dtype`, each [T, 1, D] (broadcast over heads).
         max_position: the largest position, when the caller knows it (no host sync here)."""
         if max_position is None:
             max_position = int(positions.max()) if positions.numel() else 0
         if max_position >= self.cos.shape[0]:
             self._grow(max(2 * self.cos.shape[0], max_position + 1))
-        return self.cos[positions][:, None, :], self.sin_signed[positions][:, None, :]
+        cos, sin = self.cos[positions][:, None, :], self.sin_signed[positions][:, None, :]
+        return (cos, sin) if cos.dtype == dtype else (cos.to(dtype), sin.to(dtype))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos, sin_signed: [T, 1, D]
-    return x * cos.to(x.dtype) + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed.to(x.dtype)
+    # x: [T, heads, D]; cos, sin_signed: [T, 1, D], in x's dtype
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class SelfAttention(nn.Module):
+    packed_norm_weight: torch.Tensor | None = None
+
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -144,12 +157,21 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention) -> torch.Tensor:
         T, H, Hkv = x.shape[0], self.heads, self.kv_heads
         qkv = self.qkv_proj(x).view(T, H + 2 * Hkv, self.head_dim)  # [T, H + 2Hkv, D]
-        norm_weight = torch.cat((self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(Hkv, -1)))
-        qk = norm_weight * F.rms_norm(qkv[:, :H + Hkv].float(), (self.head_dim,),
-                                      eps=self.q_norm.eps).to(x.dtype)  # [T, H + Hkv, D]
+        qk = rms(qkv[:, :H + Hkv], self.q_norm.eps) * self.qk_norm_weight()  # [T, H + Hkv, D]
         qk = apply_rope(qk, *rope)
         out = attn(self.layer_id, qk[:, :H], qk[:, H:], qkv[:, H + Hkv:])  # [T, H, D]
         return self.o_proj(out.reshape(T, H * self.head_dim))
+
+    def qk_norm_weight(self) -> torch.Tensor:
+        """[H + Hkv, D]: q_norm's weight for each query head, then k_norm's for each KV head (cached
+        by `pack()` for inference)."""
+        if self.packed_norm_weight is not None and not torch.is_grad_enabled():
+            return self.packed_norm_weight
+        return torch.cat((self.q_norm.weight.expand(self.heads, -1), self.k_norm.weight.expand(self.kv_heads, -1)))
+
+    def pack(self) -> None:
+        self.packed_norm_weight = None
+        self.packed_norm_weight = self.qk_norm_weight().detach()
 
 
 class SwiGLU(nn.Module):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Attention, DecoderLayer, Linear, RMSNorm, Rotary
+from .layers import Attention, DecoderLayer, Linear, RMSNorm, Rotary, SelfAttention
 
 
 class MTPLayer(nn.Module):
@@ -60,8 +60,8 @@ class BatonLM(nn.Module):
                        max_position: int | None = None) -> torch.Tensor:
         """input_ids, positions: [T] -> last target layer's output before the final norm, [T, d].
         max_position: the largest of `positions`, when the caller knows it without a host sync."""
-        rope = self.rotary(positions, max_position)  # cos, sin: [T, 1, D] each
         x = self.model.embed_tokens(input_ids)  # [T, d]
+        rope = self.rotary(positions, x.dtype, max_position)  # cos, sin: [T, 1, D] each
         for layer in self.model.layers:
             x = layer(x, rope, attn)
         return x
@@ -74,17 +74,18 @@ class BatonLM(nn.Module):
                      attn: Attention, depth: int = 0, max_position: int | None = None) -> torch.Tensor:
         """MTP layer `depth`: prev_hidden [T, d] (h_{p-1}), input_ids/positions [T] (token_p, p) -> [T, d]."""
         mtp = self.mtp.layers[depth]
-        rope = self.rotary(positions, max_position)
         emb = mtp.enorm(self.model.embed_tokens(input_ids))  # [T, d]
+        rope = self.rotary(positions, emb.dtype, max_position)
         x = mtp.eh_proj(torch.cat((emb, mtp.hnorm(prev_hidden)), dim=-1))  # [T, 2d] -> [T, d]
         return mtp.block(x, rope, attn)
 
     def pack(self) -> "BatonLM":
-        """Prepack every projection for CPU inference (see `Linear`); a no-op elsewhere."""
-        if all(p.device.type == "cpu" for p in self.parameters()) and torch.backends.mkldnn.is_available():
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.pack()
+        """Prepack every projection for CPU inference (see `Linear`) and cache the fused q/k norm
+        weights; call again after changing weights."""
+        onednn = all(p.device.type == "cpu" for p in self.parameters()) and torch.backends.mkldnn.is_available()
+        for module in self.modules():
+            if isinstance(module, SelfAttention) or (onednn and isinstance(module, Linear)):
+                module.pack()
         return self
 
     def target_state_dict(self) -> dict[str, torch.Tensor]:
