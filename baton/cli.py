@@ -57,8 +57,16 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
 def worker_argv(args) -> list[str]:
     return ["--spec", args.spec, "--draft-tokens", str(args.draft_tokens), "--draft-state", args.draft_state,
             "--kv-mode", args.kv_mode, "--num-pages", str(args.num_pages), "--page-size", str(args.page_size),
-            "--num-slots", str(args.num_slots), "--max-batch", str(args.max_batch), "--threads", str(args.threads),
+            "--num-slots", str(args.num_slots), "--max-batch", str(args.max_batch),
+            "--threads", str(args.threads or shared_host_threads(args.prefill + args.decode)),
             "--transfer-threads", str(args.transfer_threads)]
+
+
+def shared_host_threads(engines: int) -> int:
+    """Torch threads for each of `engines` engine processes sharing this machine (`baton up`):
+    the cores divided among them. Two processes each running one OpenMP team per core stall each
+    other at every barrier (docs/benchmarks.md: one decode stream at 2 threads ran at 0.6x of 1)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, engines))
 
 
 def default_nats_url() -> str:

@@ -113,7 +113,9 @@ class WorkerSection:
     transfer_threads: int = key(0, "prefill: threads copying one KV WRITE in parallel chunks (NIXL's UCX thread "
                                    "pool); 0: the agent's own thread copies. Pays off only with spare cores",
                                 between(0, 64), flag="--transfer-threads")
-    threads: int = key(0, "torch threads per worker (0: torch's default)", between(0), flag="--threads")
+    threads: int = key(0, "torch threads per worker (0: torch's default for `baton serve`; `baton up` "
+                          "divides the machine's cores among its prefill and decode processes)",
+                       between(0), flag="--threads")
 
 
 @dataclass(frozen=True)
