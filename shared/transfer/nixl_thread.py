@@ -13,8 +13,11 @@ was 3.5-4.2 ms with it and 1.7-2.0 ms without (docs/benchmarks.md, stop 15). (St
 paced, because driving progress from here seemed to leave one request in a thousand stalled;
 that was the lost wake-up `_Inbox` fixes.) This thread, between calls,
 (1) collects notifications with `get_new_notifs` (which progresses UCX: our notices go out, a
-peer's arrive) every PROGRESS_S, or every EXPECTING_PROGRESS_S while `expecting()` says a WRITE to
-us is due (a receiver waiting for a request's state), and hands them to the sink (`set_sink`);
+peer's arrive) every EXPECTING_PROGRESS_S while `expecting()` says a WRITE to us is due (a
+receiver waiting for a request's state), every PROGRESS_S while WRITEs of ours are in flight or
+after a call, and every IDLE_PROGRESS_S otherwise — each wake-up takes the GIL from the engine
+thread, and at 1 kHz that cost a decode step ~1.5 ms (docs/benchmarks.md, issue 21) — and hands
+them to the sink (`set_sink`);
 (2) checks the state of posted WRITEs (`post`; progresses them), from WATCH_FIRST_S backing off
 to WATCH_MAX_S; once none is in flight it releases their handles and calls their callback.
 Sink and callbacks run on this thread: they must be thread safe (e.g. `loop.call_soon_threadsafe`).
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 
 PROGRESS_S = 0.001
 EXPECTING_PROGRESS_S = 0.0001
+IDLE_PROGRESS_S = 0.01  # nothing due, nothing in flight, no recent call: each wake-up takes the GIL
 WATCH_FIRST_S = 0.00005  # a small WRITE with its notification takes ~0.2 ms on loopback
 WATCH_MAX_S = 0.0005
 SPLIT_DESCRIPTORS = 8  # with copy threads, a WRITE of fewer descriptors stays on one thread
@@ -150,7 +154,7 @@ class NixlThread:
             now = time.monotonic()
             if now >= next_progress:
                 self._progress(agent)
-                next_progress = now + (EXPECTING_PROGRESS_S if self.expecting() else PROGRESS_S)
+                next_progress = now + self._progress_interval()
             wake = min([next_progress, *(w.next_check for w in self._watch_due(agent))])
             try:
                 item = self._calls.get(timeout=max(0.0, wake - time.monotonic()))
@@ -164,6 +168,12 @@ class NixlThread:
                     future.set_result(fn(agent, *args))
                 except BaseException as e:
                     future.set_exception(_without_frames(e))
+            next_progress = min(next_progress, time.monotonic() + PROGRESS_S)  # what the call sent goes out
+
+    def _progress_interval(self) -> float:
+        if self.expecting():
+            return EXPECTING_PROGRESS_S
+        return PROGRESS_S if self._watched else IDLE_PROGRESS_S
 
     def _watch_due(self, agent: Any) -> list[_Watch]:
         """Refresh the watched WRITEs that are due; finish those with nothing in flight."""
