@@ -43,7 +43,8 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, help="default 16")
     g.add_argument("--num-slots", type=int, help="requests resident at once per worker (default 64)")
     g.add_argument("--max-batch", type=int, help="default 64")
-    g.add_argument("--threads", type=int, help="torch threads per worker (0: torch default)")
+    g.add_argument("--threads", type=int, help="torch threads per worker (0: torch default; baton up: "
+                   "the cores divided among its prefill and decode processes)")
     g.add_argument("--transfer-threads", type=int,
                    help="prefill: threads copying one KV WRITE in parallel (default 0: the NIXL thread alone)")
 
