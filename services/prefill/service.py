@@ -15,7 +15,6 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import msgpack
 import torch

@@ -18,6 +18,7 @@ The draft entry at position p is f(h_{p-1}, token_p) and predicts token_{p+1} (d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -146,20 +147,18 @@ class ModelRunner:
 
     def _spec_step(self, seqs: list[Sequence]) -> list[list[int]]:
         ks = [self.draft_tokens(s) for s in seqs]  # k_b; 0: plain decode inside the same forward
-        K, B = max(ks), len(seqs)
-        noise = BatchSampling(seqs, self.vocab, ks, self.device)
-        drafts, q = self._draft_chain(seqs, ks, noise)  # [B, K] on the device; q [Ns, K, V] or None
+        K = max(ks)
+        draws = BatchSampling(seqs, self.vocab, ks, self.device)
+        drafts, q = self._draft_chain(seqs, ks, draws)  # [B, K] on the device; q [Ns, K, V] or None
         verify = [Chunk(s.request_id, s.length, k + 1) for s, k in zip(seqs, ks)]
         chain = torch.cat((torch.tensor([[s.last_token] for s in seqs], device=self.device), drafts), 1)  # [B, K+1]
         ids = chain.view(-1) if min(ks) == K else chain.view(-1)[self._host_index(
             [b * (K + 1) + j for b, k in enumerate(ks) for j in range(k + 1)])]
         hidden = self._target(verify, ids)  # [T, d], T = sum(k_b + 1)
         logits = self.model.logits(hidden)  # [T, V]
-        offsets = [0]
-        for k in ks:
-            offsets.append(offsets[-1] + k + 1)
+        offsets = [0, *accumulate(k + 1 for k in ks)]
         at = self._host_index([[offsets[b] + min(j, k) for j in range(K + 1)] for b, k in enumerate(ks)])  # [B, K+1]
-        accepted, emitted = self._verify(drafts, ks, logits, at, q, noise)
+        accepted, emitted = self._verify(drafts, ks, logits, at, q, draws)
         result = torch.cat((drafts, accepted[:, None], emitted[:, None]), 1).tolist()  # the step's one host sync
         out = []
         for b, (s, k, row) in enumerate(zip(seqs, ks, result)):
@@ -177,7 +176,7 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _verify(self, drafts: torch.Tensor, ks: list[int], logits: torch.Tensor, at: torch.Tensor,
-                q: torch.Tensor | None, noise: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
+                q: torch.Tensor | None, draws: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
         """drafts [B, K], logits [T, V] of the verified positions, at [B, K+1] their rows per
         sequence -> (accepted [B], emitted [B]). Greedy rows: the longest prefix equal to the
         target's argmax; sampled rows: `sampling.accept`."""
@@ -186,14 +185,14 @@ class ModelRunner:
         drafted = torch.arange(K, device=self.device) < self._host_index(ks)[:, None]
         accepted = ((drafts == best[:, :K]) & drafted).long().cumprod(-1).sum(-1)  # [B]
         emitted = best.gather(1, accepted[:, None])[:, 0]
-        if noise.any:
-            rows = noise.index
-            p = noise.probs(logits[at[rows]])  # [Ns, K+1, V]
-            accepted[rows], emitted[rows] = sampling.accept(drafts[rows], noise.ks, q, p, noise.uniform,
-                                                            noise.emission_noise)
+        if draws.any:
+            rows = draws.index
+            p = draws.probs(logits[at[rows]])  # [Ns, K+1, V]
+            accepted[rows], emitted[rows] = sampling.accept(drafts[rows], draws.ks, q, p, draws.uniform,
+                                                            draws.emission_noise)
         return accepted, emitted
 
-    def _draft_chain(self, seqs: list[Sequence], ks: list[int], noise: BatchSampling
+    def _draft_chain(self, seqs: list[Sequence], ks: list[int], draws: BatchSampling
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft max(k_b) tokens for every sequence with k_b > 0, in one batch (a row past its own
         k_b drafts tokens nobody verifies; its draft entries there are overwritten before they are
@@ -202,27 +201,27 @@ class ModelRunner:
         B, K = len(seqs), max(ks)
         drafts = torch.zeros((B, K), dtype=torch.long, device=self.device)
         live = [b for b, k in enumerate(ks) if k > 0]  # row i of `last` is seqs[live[i]]
-        q = torch.zeros((len(noise.rows), K, self.vocab), device=self.device) if noise.any else None
+        q = torch.zeros((len(draws.rows), K, self.vocab), device=self.device) if draws.any else None
         if not live:
             return drafts, q
-        pos_in_noise = {b: i for i, b in enumerate(noise.rows)}
-        sampled = [(i, pos_in_noise[b]) for i, b in enumerate(live) if b in pos_in_noise]
-        s_live, s_noise = (self._host_index(list(x)) for x in zip(*sampled)) if sampled else (None, None)
+        sampled_row = {b: i for i, b in enumerate(draws.rows)}
+        sampled = [(i, sampled_row[b]) for i, b in enumerate(live) if b in sampled_row]
+        s_live, s_draws = (self._host_index(list(x)) for x in zip(*sampled)) if sampled else (None, None)
         chain = [seqs[b] for b in live]
         # first draft forward: entries draft_len .. length (the last one queries the next token)
         chunks = [Chunk(s.request_id, s.draft_len, s.length - s.draft_len + 1, floor=s.draft_floor) for s in chain]
         ids = [t for s in chain for t in s.token_span(s.draft_len, s.length + 1)]
         g = self._draft(chunks, ids, torch.cat([s.pending_hidden for s in chain]))
-        ends = self._host_index([sum(c.n for c in chunks[:i + 1]) - 1 for i in range(len(chunks))])
+        ends = self._host_index([end - 1 for end in accumulate(c.n for c in chunks)])  # each chunk's last row
         last = g[ends]  # [B', d]
         columns = []
         for j in range(K):
             logits = self.model.logits(last)  # [B', V]
             token = logits.argmax(-1)  # [B']
             if sampled:
-                p = noise.probs(logits[s_live][:, None], s_noise)[:, 0]  # [Ns', V]
-                token[s_live] = race(p, noise.draft_noise[s_noise, j])
-                q[s_noise, j] = p
+                p = draws.probs(logits[s_live][:, None], s_draws)[:, 0]  # [Ns', V]
+                token[s_live] = race(p, draws.draft_noise[s_draws, j])
+                q[s_draws, j] = p
             columns.append(token)
             if j + 1 < K:  # chain: the draft's own hidden state stands in for the target's
                 chunks = [Chunk(s.request_id, s.length + j + 1, 1, floor=s.draft_floor) for s in chain]
