@@ -64,10 +64,6 @@ class Sequence:
             seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, ()))
             self.gen = torch.Generator().manual_seed(seed)
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
     def token_span(self, lo: int, hi: int) -> list[int]:
         """tokens[lo:hi] without building the whole list."""
         P = len(self.prompt)
