@@ -97,7 +97,9 @@ class BatchSampling:
         self.index = torch.tensor(self.rows, device=device)
         self.ks = torch.tensor(ks, device=device)  # [Ns]
         self.temperature = torch.tensor([[s.params.temperature] for s in picked], device=device)  # [Ns, 1]
-        self.top_p = torch.tensor([[s.params.top_p] for s in picked], device=device)
+        # [Ns, 1], or 1.0 when no row truncates: target_probs then skips the sort over V
+        self.top_p = (torch.tensor([[s.params.top_p] for s in picked], device=device)
+                      if any(s.params.top_p < 1.0 for s in picked) else 1.0)
         raw = torch.stack([_padded(torch.rand((k + 1) * V + k, generator=s.gen), V, k, K)
                            for s, k in zip(picked, ks)]).to(device)  # [Ns, (K+1)V + K]
         noise = -raw[:, :(K + 1) * V].clamp_min(1e-30).log()  # Exp(1)
@@ -113,9 +115,10 @@ class BatchSampling:
         """logits [n, J, V] of the sampled rows (all, or those `rows` of them) -> p [n, J, V],
         each row with its own temperature and top-p."""
         n, J, V = logits.shape
-        t, top_p = (self.temperature, self.top_p) if rows is None else (self.temperature[rows], self.top_p[rows])
-        return target_probs(logits.reshape(n * J, V), t.repeat_interleave(J, 0),
-                            top_p.repeat_interleave(J, 0)).view(n, J, V)
+        t, top_p = self.temperature if rows is None else self.temperature[rows], self.top_p
+        if isinstance(top_p, torch.Tensor):
+            top_p = (top_p if rows is None else top_p[rows]).repeat_interleave(J, 0)
+        return target_probs(logits.reshape(n * J, V), t.repeat_interleave(J, 0), top_p).view(n, J, V)
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] -> next token [B]: argmax for greedy rows, a draw from p for the others."""
