@@ -24,6 +24,7 @@ torch reference below elsewhere; see kernels/dispatch.py for the rule and its ov
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,8 +33,10 @@ from baton.kernels.dispatch import use_triton
 
 def chunk_mask(q_pos, old_pos, window):
     """[B, Q, M+Q] True where a query may attend a key: cached keys (old_pos) then the chunk's own
-    keys (q_pos). Padded queries attend everything (their output is dropped, and no row is empty)."""
-    k_pos = torch.cat((old_pos, q_pos), dim=1)  # [B, M+Q]
+    keys (q_pos). Padded queries attend everything (their output is dropped, and no row is empty).
+    Takes torch tensors or numpy arrays (the serving path builds its masks on the host)."""
+    cat = torch.cat if isinstance(q_pos, torch.Tensor) else np.concatenate
+    k_pos = cat((old_pos, q_pos), 1)  # [B, M+Q]
     delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Q, M+Q]
     allowed = (k_pos[:, None, :] >= 0) & (delta >= 0)
     if window is not None:

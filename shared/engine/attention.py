@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from baton.kernels.attention import attend, chunk_attention
+from baton.kernels.attention import attend, chunk_attention, chunk_mask
 from baton.kernels.dispatch import use_triton
 from baton.shared.kv.allocator import KVError
 from baton.shared.kv.routing import FULL, SWA, SWA_RING, PoolKey
@@ -160,13 +160,3 @@ class StoreAttention:
         out = out.reshape(-1, *out.shape[2:])  # [B*Q, H, D]
         return out if self._uniform else out[self._unpad]
 
-
-def chunk_mask(q_pos: np.ndarray, old_pos: np.ndarray, window: int | None) -> np.ndarray:
-    """[B, Q, M+Q] True where a query may attend a key: cached keys (old_pos) then the chunk's own
-    keys (q_pos); -1 marks padding. Padded queries attend everything (their output is dropped)."""
-    k_pos = np.concatenate((old_pos, q_pos), axis=1)  # [B, M+Q]
-    delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Q, M+Q]
-    allowed = (k_pos[:, None, :] >= 0) & (delta >= 0)
-    if window is not None:
-        allowed &= delta < window
-    return allowed | (q_pos < 0)[:, :, None]
