@@ -32,9 +32,8 @@ async def _registry(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
     from baton.services.registry.service import Registry
     registry = await Registry.open(bus, _model_config(cfg))
     await registry.serve()
-    sweeper = asyncio.create_task(registry.sweep_forever(), name="lease-sweeper")
     await stop.wait()
-    sweeper.cancel()
+    await registry.close()
     await bus.close()
 
 
@@ -44,7 +43,7 @@ def router_config(cfg: Config):
     r = cfg.router
     return RouterConfig(timeouts=RouterTimeouts(request_s=r.request_timeout_s, first_token_s=r.first_token_timeout_s,
                                                 idle_s=r.idle_timeout_s, control_s=r.control_timeout_s),
-                        max_in_flight=r.max_in_flight)
+                        max_in_flight=r.max_in_flight, max_queued=r.max_queued, max_queue_s=r.max_queue_s)
 
 
 async def _router(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:

@@ -1,19 +1,23 @@
 """kv-registry: who is alive, what each worker's KV memory looks like, and transfer plans.
 
-State lives in a JetStream key-value bucket (one key per worker, value = WorkerInfo as msgpack)
-whose TTL is the lease: a worker that stops heartbeating disappears from the bucket by itself,
-and a registry restart loses nothing. A sweeper notices workers that vanished and publishes a
-"left" event; a worker whose heartbeat first says it is draining gets a "draining" event.
+State lives in a JetStream key-value bucket (one key per worker, value = WorkerInfo as msgpack),
+so a registry restart loses nothing. The registry keeps its view of the bucket from one watch
+held for the process's life (listing keys per call would leave a server-side consumer behind
+each time), and decides itself when a lease expired: a worker whose entry has not changed for a
+lease, by this registry's clock, is deleted and announced "left". A worker whose heartbeat first
+says it is draining gets a "draining" event.
 Never imports torch: it validates plain-data manifests against the model config.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
-from nats.js.kv import KeyValue
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, BadRequestError, KeyWrongLastSequenceError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from baton.proto import subjects
 from baton.proto.codec import decode, encode
@@ -31,6 +35,8 @@ from baton.shared.model.config import ModelConfig
 
 log = logging.getLogger("baton.registry")
 BUCKET = "baton_workers"
+STREAM_IN_USE = 10058  # JetStream: a stream of this name exists with another configuration
+WRONG_LAST_SEQUENCE = (10071, 10164)  # JetStream: the key changed since the revision given
 
 
 @dataclass(frozen=True)
@@ -39,29 +45,48 @@ class RegistryConfig:
     sweep_s: float = 1.0
 
 
+@dataclass(frozen=True)
+class Lease:
+    """A live worker as this registry sees it."""
+    info: WorkerInfo
+    revision: int  # of its entry in the bucket
+    seen_at: float  # this registry's monotonic clock when the entry last changed
+
+
 class Registry:
     def __init__(self, bus: Bus, kv: KeyValue, model: ModelConfig, config: RegistryConfig) -> None:
         self.bus, self.kv, self.model, self.config = bus, kv, model, config
-        self._known: dict[str, str] = {}  # worker id -> role, as of the last sweep
+        self.leases: dict[str, Lease] = {}
+        self._revisions: dict[str, int] = {}  # newest revision applied per key, deletions included
         self._plans: dict[tuple[str, str, int, int], dict] = {}  # (p, d, revisions) -> plan
+        self._watcher: KeyValue.KeyWatcher | None = None
+        self._tasks: list[asyncio.Task] = []
         self.metrics = ServiceMetrics("registry")
 
     @classmethod
     async def open(cls, bus: Bus, model: ModelConfig, config: RegistryConfig = RegistryConfig()) -> "Registry":
-        js = bus.connection.jetstream()
-        kv = await js.create_key_value(bucket=BUCKET, ttl=config.lease_s, history=1)
-        registry = cls(bus, kv, model, config)
-        registry._known = {info.registration.worker_id: info.registration.role for info in await registry._all()}
+        registry = cls(bus, await open_bucket(bus.connection.jetstream()), model, config)
+        await registry._load()
         return registry
 
     async def serve(self) -> None:
+        """Serve the registry subjects; watch the bucket and sweep leases until `close`."""
         self.metrics.serve_from_env()
+        self._tasks = [asyncio.create_task(self._watch_forever(), name="bucket-watch"),
+                       asyncio.create_task(self.sweep_forever(), name="lease-sweeper")]
         q = subjects.REGISTRY_QUEUE
         await self.bus.serve(subjects.REGISTER, WorkerRegistration, self.register, queue=q)
         await self.bus.serve(subjects.HEARTBEAT, Heartbeat, self.heartbeat, queue=q)
         await self.bus.serve(subjects.DEREGISTER, Deregistration, self.deregister, queue=q)
         await self.bus.serve(subjects.LOOKUP, LookupRequest, self.lookup, queue=q)
         await self.bus.serve(subjects.PLAN, PlanRequest, self.plan, queue=q)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._watcher is not None:
+            await self._watcher.stop()
 
     # --- handlers ---------------------------------------------------------------------------
     async def register(self, reg: WorkerRegistration) -> RegisterReply:
@@ -71,68 +96,125 @@ class Registry:
                               f"registration says {reg.worker_id!r} ({reg.role})")
         load = WorkerLoad(free_pages=reg.capacity.total_pages, free_slots=reg.capacity.total_slots,
                           active_requests=0, queued_prompt_tokens=0)
-        await self.kv.put(reg.worker_id, encode(WorkerInfo(registration=reg, load=load)))
-        if self._known.get(reg.worker_id) is None:
-            self._known[reg.worker_id] = reg.role
+        joined = reg.worker_id not in self.leases
+        await self._put(WorkerInfo(registration=reg, load=load))
+        if joined:
             await self._event("joined", reg.worker_id, reg.role)
         self.metrics.requests.labels("registered").inc()
         log.info("registered %s %s", reg.role, reg.worker_id)
         return RegisterReply(lease_ms=int(self.config.lease_s * 1000))
 
     async def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
-        info = await self._get(beat.worker_id)
-        if info is None:
+        lease = self.leases.get(beat.worker_id)
+        if lease is None:
             return HeartbeatReply(registered=False)
-        await self.kv.put(beat.worker_id, encode(WorkerInfo(registration=info.registration, load=beat.load)))
-        self._known.setdefault(beat.worker_id, info.registration.role)  # e.g. after a registry restart
+        info = lease.info
+        try:
+            await self._put(WorkerInfo(registration=info.registration, load=beat.load), last=lease.revision)
+        except KeyWrongLastSequenceError:  # dropped or re-registered meanwhile
+            return HeartbeatReply(registered=False)
         if beat.load.draining and not info.load.draining:  # routers look again now, not at their next refresh
             await self._event("draining", beat.worker_id, info.registration.role, "stopping")
         return HeartbeatReply(registered=True)
 
     async def deregister(self, msg: Deregistration) -> Ack:
-        info = await self._get(msg.worker_id)
-        if info is not None:
-            await self.kv.delete(msg.worker_id)
-            self._known.pop(msg.worker_id, None)
-            await self._event("left", msg.worker_id, info.registration.role, msg.reason or "deregistered")
+        lease = self.leases.get(msg.worker_id)
+        if lease is not None:
+            await self._drop(msg.worker_id, lease, msg.reason or "deregistered")
         return Ack()
 
     async def lookup(self, req: LookupRequest) -> LookupReply:
-        workers = [w for w in await self._all()
-                   if (req.role is None or w.registration.role == req.role)
-                   and (req.worker_id is None or w.registration.worker_id == req.worker_id)]
+        workers = [lease.info for worker_id, lease in sorted(self.leases.items())
+                   if (req.role is None or lease.info.registration.role == req.role)
+                   and (req.worker_id is None or worker_id == req.worker_id)]
         return LookupReply(workers=workers)
 
     async def plan(self, req: PlanRequest) -> PlanReply:
-        p_entry, d_entry = await self._entry(req.prefill_worker_id), await self._entry(req.decode_worker_id)
-        key = (req.prefill_worker_id, req.decode_worker_id, p_entry.revision, d_entry.revision)
+        p_lease, d_lease = self._lease(req.prefill_worker_id), self._lease(req.decode_worker_id)
+        key = (req.prefill_worker_id, req.decode_worker_id, p_lease.revision, d_lease.revision)
         if key not in self._plans:
-            p_info, d_info = (decode(e.value, WorkerInfo) for e in (p_entry, d_entry))
             try:
-                plan = make_plan(self._manifest(p_info.registration), self._manifest(d_info.registration))
+                plan = make_plan(self._manifest(p_lease.info.registration), self._manifest(d_lease.info.registration))
             except PlanError as exc:
                 raise bad_request(f"no transfer plan for {req.prefill_worker_id} -> {req.decode_worker_id}: {exc}")
             self._plans[key] = to_plain(plan)
         return PlanReply(prefill_worker_id=req.prefill_worker_id, decode_worker_id=req.decode_worker_id,
                          plan=self._plans[key])
 
-    # --- lease sweeper ----------------------------------------------------------------------
+    # --- leases ---------------------------------------------------------------------------
     async def sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_s)
             try:
-                alive = {info.registration.worker_id for info in await self._all()}
+                await self.sweep()
             except Exception as exc:  # JetStream briefly unavailable: try again next round
                 log.warning("sweep failed: %s", exc)
-                continue
-            for role in ("prefill", "decode"):
-                self.metrics.workers.labels(role).set(sum(1 for r in self._known.values() if r == role))
-            for worker_id in [w for w in self._known if w not in alive]:
+
+    async def sweep(self) -> None:
+        """Drop every worker whose entry has not changed for a lease."""
+        now = time.monotonic()
+        for worker_id, lease in list(self.leases.items()):
+            if now - lease.seen_at > self.config.lease_s:
                 self.metrics.expired.inc()
-                role = self._known.pop(worker_id)
-                log.warning("lease expired: %s %s", role, worker_id)
-                await self._event("left", worker_id, role, "lease expired")
-            self._plans = {k: v for k, v in self._plans.items() if k[0] in alive and k[1] in alive}
+                log.warning("lease expired: %s %s", lease.info.registration.role, worker_id)
+                await self._drop(worker_id, lease, "lease expired")
+        for role in ("prefill", "decode"):
+            self.metrics.workers.labels(role).set(
+                sum(1 for lease in self.leases.values() if lease.info.registration.role == role))
+        self._plans = {k: v for k, v in self._plans.items() if k[0] in self.leases and k[1] in self.leases}
+
+    async def _put(self, info: WorkerInfo, last: int | None = None) -> None:
+        """Write the worker's entry; with `last`, only if it is still at that revision."""
+        worker_id = info.registration.worker_id
+        data = encode(info)
+        revision = await (self.kv.put(worker_id, data) if last is None else self.kv.update(worker_id, data, last))
+        self._apply(worker_id, revision, info)
+
+    async def _drop(self, worker_id: str, lease: Lease, reason: str) -> None:
+        """Delete the worker's entry unless it changed meanwhile (a heartbeat, maybe at another
+        registry), and announce that it left."""
+        try:
+            await self.kv.delete(worker_id, last=lease.revision)
+        except APIError as exc:
+            if exc.err_code in WRONG_LAST_SEQUENCE:
+                return
+            raise
+        if self.leases.get(worker_id) is lease:
+            del self.leases[worker_id]
+        await self._event("left", worker_id, lease.info.registration.role, reason)
+
+    # --- the bucket watch -----------------------------------------------------------------
+    async def _load(self) -> None:
+        """Every entry in the bucket now; then the same watch follows every change."""
+        self._watcher = await self.kv.watchall()
+        while (entry := await self._watcher.updates(timeout=10.0)) is not None:
+            self._on_entry(entry)
+
+    async def _watch_forever(self) -> None:
+        async for entry in self._watcher:
+            self._on_entry(entry)
+
+    def _on_entry(self, entry: KeyValue.Entry) -> None:
+        if entry.operation in (KV_DEL, KV_PURGE):
+            self._apply(entry.key, entry.revision, None)
+            return
+        try:
+            info = decode(entry.value, WorkerInfo)
+        except BatonError as exc:
+            log.warning("ignored unreadable entry %s in bucket %s: %s", entry.key, BUCKET, exc)
+            return
+        self._apply(entry.key, entry.revision, info)
+
+    def _apply(self, worker_id: str, revision: int, info: WorkerInfo | None) -> None:
+        """Record a change of a worker's entry (None: deleted), unless a newer one was applied
+        already: the watch also delivers this registry's own writes, after it applied them."""
+        if revision <= self._revisions.get(worker_id, 0):
+            return
+        self._revisions[worker_id] = revision
+        if info is None:
+            self.leases.pop(worker_id, None)
+        else:
+            self.leases[worker_id] = Lease(info, revision, time.monotonic())
 
     # --- helpers ----------------------------------------------------------------------------
     def _manifest(self, reg: WorkerRegistration) -> Manifest:
@@ -143,30 +225,26 @@ class Registry:
             raise bad_request(f"manifest of {reg.worker_id} refused: {exc}")
         return manifest
 
-    async def _entry(self, worker_id: str):
-        try:
-            return await self.kv.get(worker_id)
-        except KeyNotFoundError:
-            raise BatonError(ErrorCode.UNAVAILABLE, f"worker {worker_id} is not registered") from None
-
-    async def _get(self, worker_id: str) -> WorkerInfo | None:
-        try:
-            entry = await self.kv.get(worker_id)
-        except (KeyNotFoundError, KeyDeletedError):
-            return None
-        return decode(entry.value, WorkerInfo)
-
-    async def _all(self) -> list[WorkerInfo]:
-        """Every live worker: the bucket's keys plus every worker this registry knows, each read
-        on its own. Listing keys alone is not trusted: nats-py's keys() can come back empty
-        (NoKeysError) for a moment while entries exist, which would drop live workers."""
-        try:
-            keys = set(await self.kv.keys())
-        except NoKeysError:
-            keys = set()
-        infos = [await self._get(k) for k in sorted(keys | set(self._known))]
-        return [i for i in infos if i is not None]
+    def _lease(self, worker_id: str) -> Lease:
+        lease = self.leases.get(worker_id)
+        if lease is None:
+            raise BatonError(ErrorCode.UNAVAILABLE, f"worker {worker_id} is not registered")
+        return lease
 
     async def _event(self, kind: str, worker_id: str, role: str, reason: str = "") -> None:
         await self.bus.publish(subjects.WORKER_EVENTS,
                                WorkerEvent(kind=kind, worker_id=worker_id, role=role, reason=reason))
+
+
+async def open_bucket(js: JetStreamContext) -> KeyValue:
+    """The workers' bucket, without a TTL: the registry decides when a lease expired (a bucket TTL
+    expired every entry at once when the registry itself had been paused). A bucket an older
+    registry made with a TTL loses it."""
+    try:
+        return await js.create_key_value(bucket=BUCKET, history=1)
+    except BadRequestError as exc:
+        if exc.err_code != STREAM_IN_USE:
+            raise
+    info = await js.stream_info(f"KV_{BUCKET}")
+    await js.update_stream(replace(info.config, max_age=0))
+    return await js.key_value(BUCKET)

@@ -1,0 +1,109 @@
+"""The kv-registry against a real nats-server, in this process: leases, worker identity and the
+JetStream resources it holds (manifests come from real KV stores of a tiny model config)."""
+import asyncio
+import contextlib
+
+import pytest
+
+from baton.proto import subjects
+from baton.proto.codec import decode
+from baton.proto.internal import (Capacity, Heartbeat, HeartbeatReply, LookupReply, LookupRequest,
+                                  RegisterReply, WorkerEvent, WorkerLoad, WorkerRegistration)
+from baton.services.registry.service import BUCKET, Registry, RegistryConfig
+from baton.shared.bus import Bus
+from baton.shared.bus.server import NatsServer
+from baton.shared.kv import KVStore
+from baton.shared.kv.codec import to_plain
+from baton.shared.model.config import FULL, SLIDING, ModelConfig
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+CFG = ModelConfig(vocab_size=64, hidden_size=6, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=2, num_hidden_layers=4, layer_types=(SLIDING, SLIDING, FULL, SLIDING), sliding_window=8,
+                  num_nextn_predict_layers=1, mtp_layer_types=(SLIDING,))
+LOAD = WorkerLoad(free_pages=16, free_slots=2, active_requests=0, queued_prompt_tokens=0)
+
+
+def registration(worker_id: str, role: str = "decode") -> WorkerRegistration:
+    store = KVStore(CFG, mode="ring", num_pages=16, page_size=4, num_slots=2, max_draft_tokens=3)
+    return WorkerRegistration(worker_id=worker_id, role=role, manifest=to_plain(store.manifest(worker_id, "sha256:m", role)),
+                              nixl_metadata=b"", capacity=Capacity(total_pages=16, page_size=4, total_slots=2,
+                                                                   max_seq_len=64))
+
+
+@contextlib.asynccontextmanager
+async def registry(config: RegistryConfig = RegistryConfig(sweep_s=0.01)):
+    """A fresh nats-server, a serving Registry (watch and sweeper running) and a client bus."""
+    async with NatsServer() as server:
+        async with await Bus.connect(server.url, "registry") as service, await Bus.connect(server.url, "test") as bus:
+            reg = await Registry.open(service, CFG, config)
+            await reg.serve()
+            try:
+                yield reg, bus
+            finally:
+                await reg.close()
+
+
+async def consumers(bus: Bus) -> int:
+    info = await bus.connection.jetstream().stream_info(f"KV_{BUCKET}")
+    return info.state.consumer_count
+
+
+def test_lookups_heartbeats_and_sweeps_leave_the_consumer_count_flat():
+    """Every lookup and lease sweep used to list the bucket's keys, which leaves a JetStream
+    consumer on the server for 5 minutes; the server refuses the 1,001st."""
+    async def run():
+        async with registry() as (reg, bus):
+            for worker_id in ("decode-a", "decode-b"):
+                await bus.request(subjects.REGISTER, registration(worker_id), RegisterReply)
+            before = await consumers(bus)
+            for i in range(300):
+                reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
+                assert sorted(w.registration.worker_id for w in reply.workers) == ["decode-a", "decode-b"]
+                if i % 3 == 0:
+                    beat = Heartbeat(worker_id="decode-a", load=LOAD)
+                    assert (await bus.request(subjects.HEARTBEAT, beat, HeartbeatReply)).registered
+            assert await consumers(bus) == before <= 1, "consumers grew with lookups and sweeps"
+    asyncio.run(run())
+
+
+def test_a_bucket_made_with_a_ttl_by_an_older_registry_loses_it():
+    """Entries must not expire by the bucket's clock: only the registry decides a lease expired."""
+    async def run():
+        async with NatsServer() as server, await Bus.connect(server.url, "old") as bus:
+            await bus.connection.jetstream().create_key_value(bucket=BUCKET, ttl=10.0, history=1)
+            reg = await Registry.open(bus, CFG)
+            info = await bus.connection.jetstream().stream_info(f"KV_{BUCKET}")
+            assert not info.config.max_age, info.config
+            await reg.close()
+    asyncio.run(run())
+
+
+async def events(bus: Bus) -> asyncio.Queue:
+    """Every WorkerEvent the registry publishes from now on."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def put(msg) -> None:
+        queue.put_nowait(decode(msg.data, WorkerEvent))
+    await bus.subscribe(subjects.WORKER_EVENTS, put)
+    return queue
+
+
+def test_a_worker_that_stops_heartbeating_is_dropped_after_its_lease_and_announced():
+    async def run():
+        async with registry(RegistryConfig(lease_s=1.0, sweep_s=0.05)) as (reg, bus):
+            seen = await events(bus)
+            for worker_id in ("decode-quiet", "decode-beating"):
+                await bus.request(subjects.REGISTER, registration(worker_id), RegisterReply)
+            assert [(await seen.get()).kind for _ in range(2)] == ["joined", "joined"]
+            left = asyncio.create_task(seen.get())
+            while not left.done():  # one keeps beating, the other fell silent
+                beat = Heartbeat(worker_id="decode-beating", load=LOAD)
+                assert (await bus.request(subjects.HEARTBEAT, beat, HeartbeatReply)).registered
+                await asyncio.wait([left], timeout=0.2)
+            event = left.result()
+            assert (event.kind, event.worker_id, event.reason) == ("left", "decode-quiet", "lease expired")
+            reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
+            assert [w.registration.worker_id for w in reply.workers] == ["decode-beating"]
+            quiet = Heartbeat(worker_id="decode-quiet", load=LOAD)
+            assert not (await bus.request(subjects.HEARTBEAT, quiet, HeartbeatReply)).registered
+    asyncio.run(asyncio.wait_for(run(), 60))
