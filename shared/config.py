@@ -89,6 +89,9 @@ class ModelSection:
 @dataclass(frozen=True)
 class RouterSection:
     max_in_flight: int = key(1024, "requests one router drives at once; beyond it answers busy", between(1))
+    max_queued: int = key(512, "requests that wait in one router's queue for capacity (FIFO); beyond it answers "
+                               "busy (HTTP 429)", between(0))
+    max_queue_s: float = key(120.0, "longest a request waits in the queue; then it fails with timeout", positive)
     max_tokens: int = key(4096, "largest max_tokens a request may ask for", between(1))
     request_timeout_s: float = key(600.0, "whole request, admission to last token", positive)
     first_token_timeout_s: float = key(120.0, "admission to first token (prefill + transfer)", positive)

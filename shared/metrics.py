@@ -31,6 +31,10 @@ class ServiceMetrics:
             self.itl = Histogram("baton_itl_seconds", "Time between token chunks", buckets=LATENCY_BUCKETS, registry=r)
             self.e2e = Histogram("baton_request_seconds", "Whole request latency", buckets=LATENCY_BUCKETS, registry=r)
             self.in_flight = Gauge("baton_requests_in_flight", "Requests being driven", registry=r)
+            self.queued = Gauge("baton_queue_depth", "Requests waiting in the router's queue for capacity",
+                                registry=r)
+            self.queue_wait = Histogram("baton_queue_wait_seconds", "Time a request waited in the router's queue",
+                                        buckets=LATENCY_BUCKETS + (60, 120, 300), registry=r)
         if role in ("prefill", "decode"):
             self.free_pages = Gauge("baton_free_pages", "Free KV pages", registry=r)
             self.free_slots = Gauge("baton_free_slots", "Free request slots (rings, aux rows)", registry=r)

@@ -14,7 +14,7 @@ LATE = BatonError(ErrorCode.INTERNAL, "transfer of r: deadline passed")
 
 
 def flow(idle_s: float = 2) -> Flow:
-    return Flow(None, None, None, RouterTimeouts(first_token_s=2, idle_s=idle_s), "r", [1, 2], 4, SamplingParams())
+    return Flow(None, None, None, RouterTimeouts(first_token_s=2, idle_s=idle_s), "r", [1, 2], 4, SamplingParams(), None)
 
 
 def chunk(seq: int, ids: list[int], finished: bool = False) -> TokenChunk:
@@ -103,7 +103,8 @@ class Prefills:
 
 
 def test_a_draining_prefill_is_never_picked_even_when_least_loaded():
-    f = Flow(None, Prefills(idle=(0, True), busy=(500, False)), None, RouterTimeouts(), "r", [1], 4, SamplingParams())
+    f = Flow(None, Prefills(idle=(0, True), busy=(500, False)), None, RouterTimeouts(), "r", [1], 4, SamplingParams(),
+             None)
     assert f._pick_prefill(f.directory.of_role("prefill")) == "busy"
     f.directory = Prefills(a=(0, True), b=(0, True))
     with pytest.raises(BatonError, match="all 2 are stopping") as refused:

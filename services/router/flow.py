@@ -22,6 +22,7 @@ from baton.proto.internal import (Ack, PrefillDispatch, PrefillDone, PrefillTarg
 from baton.shared.bus import Bus
 from baton.shared.metrics import Stamps
 
+from .admission import AdmissionQueue
 from .directory import Directory
 from .tokens import TokenInbox
 
@@ -53,6 +54,11 @@ class AttemptLost(Exception):
         self.error = error
 
 
+class NoCapacity(Exception):
+    """Every decode worker refused the reservation for want of room: the request waits in the
+    queue again (nothing reached the client, and prefill is released)."""
+
+
 class DecodeLost(AttemptLost):
     """Decode was lost after tokens reached the client (its worker left, or it fell silent past
     the idle timeout): the request may continue on another pair from its prompt plus the tokens
@@ -74,8 +80,10 @@ def plan_components(plan: dict) -> list[str]:
 
 class Flow:
     def __init__(self, bus: Bus, directory: Directory, tokens: TokenInbox, timeouts: RouterTimeouts,
-                 request_id: str, token_ids: list[int], max_tokens: int, sampling: SamplingParams) -> None:
+                 request_id: str, token_ids: list[int], max_tokens: int, sampling: SamplingParams,
+                 admission: AdmissionQueue) -> None:
         self.bus, self.directory, self.token_inbox, self.timeouts = bus, directory, tokens, timeouts
+        self.admission = admission
         self.request_id, self.token_ids, self.max_tokens, self.sampling = request_id, token_ids, max_tokens, sampling
         self.attempt_id = request_id  # the id decode and prefill see; a retry gets a fresh one
         self.served_by = ""  # "prefill->decode" of the last attempt, for the request log
@@ -94,9 +102,12 @@ class Flow:
         self._prefilled = False
         self._avoid: set[str] = set()  # workers of a failed attempt, skipped by the retry when possible
         self._held: dict[str, int] = {}  # load this flow counts against workers in the directory
+        self._attempts = 0  # attempts after the first (a retry, or a wait after decode had no room)
+        self.workers: dict[str, str] = {}  # id -> role of every worker asked, hidden from the client
 
     def cancel(self, reason: str = "cancelled") -> None:
         self.cancelled = reason  # also seen by an attempt that starts after this one
+        self.admission.cancel(self.request_id)
         self.events.put_nowait(("cancel", reason))
 
     def worker_left(self, worker_id: str, reason: str) -> None:
@@ -109,15 +120,18 @@ class Flow:
             self.events.put_nowait(("prefill_error", error))
 
     async def tokens(self) -> AsyncIterator[list[int]]:
-        """Yield token ids as decode produces them; `self.outcome` says how it ended. One attempt
-        that fails is retried, on other workers where there are any, with a fresh reservation and
-        a fresh internal id: from the start if it failed before its first token, or, if decode
-        was lost mid-stream, as a continuation (prompt + tokens sent, the max_tokens left)."""
+        """Yield token ids as decode produces them; `self.outcome` says how it ended. The request
+        first waits its turn in the router's queue (admission.py), and waits again whenever decode
+        has no room for it. One attempt that fails is retried, on other workers where there are
+        any, with a fresh reservation and a fresh internal id: from the start if it failed before
+        its first token, or, if decode was lost mid-stream, as a continuation (prompt + tokens
+        sent, the max_tokens left)."""
         sent: list[int] = []
+        retried = False
         try:
-            for attempt in range(2):
+            while True:
                 try:
-                    if self.cancelled:
+                    if self.cancelled or not await self.admission.enter(self.request_id):
                         self.outcome.finish_reason = "abort"
                         return
                     await self._admit()
@@ -125,12 +139,17 @@ class Flow:
                         sent += ids
                         yield ids
                     return
+                except NoCapacity:
+                    await self._end_attempt("no decode capacity")
+                    self.admission.refused(self.request_id)
+                    self._new_attempt_id()
                 except AttemptLost as lost:
-                    if attempt == 1 or len(sent) >= self.max_tokens:
+                    if retried or len(sent) >= self.max_tokens:
                         raise lost.error
+                    retried = True
                     self._avoid = {self.prefill_id, self.decode_id} - {None}
                     await self._end_attempt("attempt lost")
-                    self.attempt_id = f"{self.request_id[:56]}-retry1"
+                    self._new_attempt_id()
                     if sent:  # decode lost mid-stream: continue after what the client has
                         log.warning("%s; continuing on other workers after %d tokens", lost.error.message, len(sent))
                         self.token_ids, self.max_tokens = self.token_ids + sent, self.max_tokens - len(sent)
@@ -139,9 +158,24 @@ class Flow:
                     else:
                         log.warning("%s; retrying once on other workers", lost.error.message)
         except BatonError as exc:
-            self.outcome.error = exc
+            self.outcome.error = self._for_client(exc)
         finally:
+            self.admission.leave(self.request_id)
             await self._end_attempt(self.outcome.finish_reason or "error")
+
+    def _for_client(self, error: BatonError) -> BatonError:
+        """`error` without the internal ids of the workers involved (logged here, with them)."""
+        message = error.message
+        for worker_id, role in self.workers.items():
+            message = message.replace(worker_id, f"<{role}>")
+        if message != error.message:
+            log.warning("request %s failed: %s", self.request_id, error.message)
+        return BatonError(error.code, message)
+
+    def _new_attempt_id(self) -> None:
+        """Workers may still hold the ended attempt's id for a moment (prefill until its release)."""
+        self._attempts += 1
+        self.attempt_id = f"{self.request_id[:52]}-try{self._attempts}"
 
     async def _end_attempt(self, reason: str) -> None:
         for task in self._tasks:
@@ -170,6 +204,7 @@ class Flow:
         self.at.mark("admit")
         self.stream_subject = self.token_inbox.open(self.events)
         self.prefill_id = self._pick_prefill(await self.directory.known("prefill"))
+        self.workers[self.prefill_id] = "prefill"
         self._hold(self.prefill_id, len(self.token_ids))  # counted now, so concurrent picks spread out
         self._tasks.append(asyncio.create_task(self._prefill(self.prefill_id), name=f"prefill {self.request_id}"))
         await asyncio.sleep(0)  # the dispatch (the critical path) goes out before the reservation
@@ -197,6 +232,7 @@ class Flow:
         last: BatonError | None = None
         for worker in decodes:
             decode_id = worker.registration.worker_id
+            self.workers[decode_id] = "decode"
             self._hold(decode_id, 1)
             try:
                 plan = await self.directory.plan(prefill_id, decode_id)
@@ -216,7 +252,10 @@ class Flow:
             self.decode_id = decode_id
             self.served_by = f"{prefill_id}->{decode_id}"
             return reply, plan
-        raise last if last.code != ErrorCode.UNAVAILABLE else BatonError(ErrorCode.BUSY, f"no decode capacity: {last.message}")
+        log.info("request %s waits again: no decode worker has room (%s)", self.request_id, last.message)
+        if last.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE):
+            raise NoCapacity()
+        raise last
 
     async def _prefill(self, prefill_id: str) -> None:
         try:

@@ -22,6 +22,7 @@ from baton.shared.model.tokenizer import TextTokenizer
 
 from baton.shared.metrics import ServiceMetrics, log_request
 
+from .admission import AdmissionQueue
 from .directory import Directory
 from .flow import Flow, RouterTimeouts
 from .tokens import TokenInbox
@@ -35,6 +36,8 @@ EARLY_CANCEL_KEEP_S = 30.0  # how long a cancel for a not-yet-seen request id is
 class RouterConfig:
     timeouts: RouterTimeouts = RouterTimeouts()
     max_in_flight: int = 1024  # requests this router drives at once; beyond: busy
+    max_queued: int = 512  # requests waiting for capacity (admission.py); beyond: busy
+    max_queue_s: float = 120.0  # longest wait in the queue; then: timeout
 
 
 class Router:
@@ -46,6 +49,7 @@ class Router:
         self.flows: dict[str, Flow] = {}
         self._early_cancels: dict[str, float] = {}  # request id -> until when a cancel that beat its request counts
         self.metrics = ServiceMetrics("router")
+        self.admission = AdmissionQueue(self._decode_slots, config.max_queued, config.max_queue_s, self.metrics)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -61,6 +65,7 @@ class Router:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self.admission.close()
         for flow in self.flows.values():
             flow.cancel("router shutting down")
 
@@ -100,6 +105,11 @@ class Router:
             flow.cancel("cancelled by the client")
         return flow is not None
 
+    def _decode_slots(self) -> int | None:
+        """Requests the decode workers can hold at once, all together; None while none is known."""
+        decodes = [w for w in self.directory.of_role("decode") if not w.load.draining]
+        return sum(w.registration.capacity.total_slots for w in decodes) or None
+
     def _worker_left(self, worker_id: str, reason: str) -> None:
         for flow in self.flows.values():
             flow.worker_left(worker_id, reason)
@@ -125,7 +135,8 @@ class Router:
     async def _open_flow(self, request_id: str, ids: list[int], max_tokens: int, sampling: SamplingParams) -> Flow:
         """What drives one request: a Flow through the cluster (the aggregated baseline overrides
         this with an in-process job of the same surface: tokens(), outcome, cancel())."""
-        return Flow(self.bus, self.directory, self.tokens, self.config.timeouts, request_id, ids, max_tokens, sampling)
+        return Flow(self.bus, self.directory, self.tokens, self.config.timeouts, request_id, ids, max_tokens, sampling,
+                    self.admission)
 
     async def _run(self, req: GenerateRequest, request_id: str, ids: list[int]) -> AsyncIterator[tuple]:
         """Yields (token_ids, text) deltas, then one final ("done", summary fields)."""
