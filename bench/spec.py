@@ -173,10 +173,10 @@ def decode_rate(model, prompts, batch: int, max_tokens: int, spec: SpecConfig) -
     return sum(len(s.output) - 1 for s in seqs) / seconds, [s.output for s in seqs]
 
 
-def hf_model():
+def hf_model(path: Path):
     import transformers
     transformers.logging.set_verbosity_error()  # it lists the MTP tensors it does not use
-    return transformers.Qwen3ForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    return transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def hf_batch_rate(hf, prompts, batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -193,8 +193,8 @@ def hf_batch_rate(hf, prompts, batch: int, max_tokens: int) -> tuple[float, list
     return batch * (max_tokens - 1) / seconds, out[:, ids.shape[1]:].tolist()
 
 
-def batch_table(model, prompts, batches: list[int], max_tokens: int, k: int, repeats: int) -> list[dict]:
-    hf = hf_model()
+def batch_table(model, path: Path, prompts, batches: list[int], max_tokens: int, k: int, repeats: int) -> list[dict]:
+    hf = hf_model(path)
     hf_batch_rate(hf, prompts, 1, 8)  # warm up
     decode_rate(model, prompts, 1, 8, SpecConfig(True, k, "transfer"))
     rows = []
@@ -214,7 +214,7 @@ def batch_table(model, prompts, batches: list[int], max_tokens: int, k: int, rep
     return rows
 
 
-def system_stream(prompt, max_tokens: int, k: int, threads: int, repeats: int) -> dict:
+def system_stream(path: Path, prompt, max_tokens: int, k: int, threads: int, repeats: int) -> dict:
     """One greedy stream at a time through a whole cluster, as a client sees it: decode tok/s from
     the first token chunk to the last (best of `repeats`, after a warm-up request)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -241,13 +241,15 @@ def system_stream(prompt, max_tokens: int, k: int, threads: int, repeats: int) -
             return [await stream(bus, max_tokens) for _ in range(repeats)]
     out = {}
     for spec in ("mtp", "off"):
-        with running_cluster(worker_args=["--spec", spec, "--draft-tokens", str(k), "--threads", str(threads)]) as cluster:
+        worker_args = ["--spec", spec, "--draft-tokens", str(k), "--threads", str(threads)]
+        with running_cluster(model=path, worker_args=worker_args) as cluster:
             out[spec] = max(asyncio.run(runs(cluster.nats_url)), key=lambda r: r["decode_tok_s"])
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--prompt-len", type=int, default=160)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -261,8 +263,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model()
-    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
+    model = load_model(args.model)
+    tok = TextTokenizer.load(args.model)
     prompts = heldout_prompts(tok, args.prompts, args.prompt_len, seed=11)
     result: dict = {"args": vars(args) | {"json": str(args.json)}, "engine": {}}
     specs = {"off": SpecConfig(enabled=False), **{m: SpecConfig(True, args.k, m) for m in MODES}}
@@ -294,7 +296,7 @@ def main() -> None:
         print(f"bytes per request ({mode}): {b['bytes']:,}  {b['by_component']}")
 
     batches = [int(b) for b in args.batches.split(",")]
-    result["batches"] = batch_table(model, prompts, batches, args.max_tokens, args.k, args.repeats)
+    result["batches"] = batch_table(model, args.model, prompts, batches, args.max_tokens, args.k, args.repeats)
     result["step_counts"] = [step_counts(model, prompts, b, args.k) for b in batches]
     print(f"\ndecode tok/s (prefill excluded), {args.max_tokens} new tokens, {args.threads} threads, best of "
           f"{args.repeats}; transformers = batched greedy generate")
@@ -312,8 +314,8 @@ def main() -> None:
 
     if not args.skip_system:
         prompt = prompts[0]
-        hf_rate, hf_tokens = hf_batch_rate(hf_model(), [prompt], 1, args.system_tokens)
-        system = system_stream(prompt, args.system_tokens, args.k, args.threads, args.repeats)
+        hf_rate, hf_tokens = hf_batch_rate(hf_model(args.model), [prompt], 1, args.system_tokens)
+        system = system_stream(args.model, prompt, args.system_tokens, args.k, args.threads, args.repeats)
         result["system"] = {"transformers_generate_tok_s": hf_rate,
                             **{k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in system.items()}}
         ours = system["mtp"]["tokens"]  # may end early at EOS, which the router stops on

@@ -20,9 +20,9 @@ from baton.up import Cluster, start_cluster, wait_ready
 
 @contextlib.contextmanager
 def running_cluster(nats_url: str | None = None, prefill: int = 1, decode: int = 1, worker_args: list[str] = (),
-                    auth: bool = False, warm_up: bool = True):
+                    auth: bool = False, warm_up: bool = True, model: Path = DEFAULT_MODEL_DIR):
     log_dir = tempfile.mkdtemp(prefix="baton-test-")
-    args = argparse.Namespace(model=DEFAULT_MODEL_DIR, prefill=prefill, decode=decode, log_dir=log_dir,
+    args = argparse.Namespace(model=model, prefill=prefill, decode=decode, log_dir=log_dir,
                               nats_url=nats_url, nats_port=None)
     cluster = start_cluster(args, ["--threads", "1", "--num-pages", "512", "--num-slots", "16", *worker_args], auth)
     try:
