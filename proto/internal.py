@@ -153,6 +153,7 @@ class ReleaseRequest:
 
     request_id: RequestId
     reason: str = ""
+    finish_reason: Literal["abort", "stop"] = "abort"  # how decode ends it: "stop" when a stop string matched
 
 
 @dataclass(frozen=True, kw_only=True)

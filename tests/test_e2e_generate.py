@@ -109,7 +109,7 @@ def test_cancel_mid_stream_frees_everything(cluster):
     (msgpack.packb({"v": 1, "max_tokens": 4}), "bad_request"),
     (b"\xc1 not msgpack", "bad_request"),
     (msgpack.packb({"v": 2, "prompt": "hi"}), "bad_request"),
-    (msgpack.packb({"v": 1, "token_ids": list(range(1000)) * 3, "max_tokens": 4000}), "too_large"),
+    (msgpack.packb({"v": 1, "token_ids": list(range(1000)) * 3, "max_tokens": 4000}), "bad_request"),  # > context
 ])
 def test_bad_input_gets_error_code(cluster, payload, code):
     async def run():
@@ -172,3 +172,39 @@ def test_client_that_stops_listening_is_cancelled(cluster):
     assert scrape(router).get("baton_requests_total[('outcome', 'disconnected')]", 0) == before + 1
     later = asyncio.run(generate(cluster.nats_url, token_ids=window_prompts()[1], max_tokens=12))
     assert later.token_ids == Reference().greedy(window_prompts()[1], 12)[:len(later.token_ids)]
+
+
+def test_a_stop_token_ends_the_reply_without_its_text(cluster):
+    """`stop_token_ids` (and end of text, the same path) end the reply on that token: its id is
+    reported, its text is not, unary or streamed (as vLLM)."""
+    from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+    from baton.shared.model.tokenizer import TextTokenizer
+    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
+
+    async def run():
+        free = await generate(cluster.nats_url, prompt="To be, or not to be", max_tokens=24)
+        ids = free.token_ids
+        i = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i] and tok.decode([ids[i]]).strip())
+        stopped = await generate(cluster.nats_url, prompt="To be, or not to be", max_tokens=24,
+                                 stop_token_ids=[ids[i]])
+        pieces = []
+        async with await Bus.connect(cluster.nats_url, "test") as bus:
+            request = GenerateRequest(prompt="To be, or not to be", max_tokens=24, stop_token_ids=[ids[i]], stream=True)
+            async with bus.stream_request(subjects.GENERATE, request, StreamChunk, timeout_per_message=120) as chunks:
+                pieces = [chunk.text async for chunk in chunks]
+        return ids[:i + 1], tok.decode(ids[:i]), stopped, pieces
+    want_ids, want_text, stopped, pieces = asyncio.run(run())
+    assert (stopped.token_ids, stopped.text, stopped.finish_reason) == (want_ids, want_text, "stop")
+    assert "".join(pieces) == want_text
+
+
+def test_a_reply_ended_by_a_stop_string_reports_its_speculation(cluster):
+    """The router ends the request when a stop string matches; decode's counts still come back."""
+    async def run():
+        free = await generate(cluster.nats_url, prompt="To be, or not to be", max_tokens=48)
+        stop = free.text[len(free.text) // 2:][:5]
+        return await generate(cluster.nats_url, prompt="To be, or not to be", max_tokens=48, stop=[stop]), stop
+    stopped, stop = asyncio.run(run())
+    assert stopped.finish_reason == "stop" and stop not in stopped.text and stopped.usage.completion_tokens > 1
+    spec = stopped.spec  # every token after the first (prefill's) came from a verify step
+    assert spec.drafted == 3 * spec.verify_steps and spec.accepted + spec.verify_steps >= stopped.usage.completion_tokens - 1

@@ -92,6 +92,13 @@ def test_bad_chat_messages_are_400(messages):
     assert exc.value.status == 400 and exc.value.param == "messages"
 
 
+@pytest.mark.parametrize("field", ["max_completion_tokens", "max_tokens"])
+def test_chat_with_zero_max_tokens_is_400_not_the_default(field):
+    with pytest.raises(HttpError) as exc:
+        api.parse_chat({"messages": [{"role": "user", "content": "x"}], field: 0}, MODEL, 256)
+    assert exc.value.status == 400 and "at least 1" in exc.value.message
+
+
 def test_tools_are_refused_not_ignored():
     with pytest.raises(HttpError, match="tools"):
         api.parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, MODEL, 16)

@@ -151,3 +151,22 @@ def test_decoding_work_is_linear(tok, most):
     assert "".join(pieces) == tok.decode(ids)
     assert counting.decoded < 20 * len(ids), counting.decoded  # decoding all each time: ~n^2 / (2 * chunk)
     assert len(s.window) < 50
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_stop_token_is_reported_without_its_text(tok, seed):
+    """End of text and `stop_token_ids` end generation; like vLLM, their text is left out, in the
+    reply and in every stream piece, while the token id is still reported."""
+    rng = random.Random(seed)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        for stop_id in {tok.eos_token_id, ids[-1]} - set(ids[:-1]):  # generation ends at its first stop token
+            s = TextStream(tok, [], frozenset({stop_id}))
+            got, pieces = [], []
+            for chunk in chunks(ids[:-1] + [stop_id], rng):
+                out, delta = s.add(chunk)
+                got += out
+                pieces.append(delta)
+            pieces.append(s.finish())
+            assert got == ids[:-1] + [stop_id] and "".join(pieces) == tok.decode(ids[:-1])
+            assert not any("<|endoftext|>" in p for p in pieces)

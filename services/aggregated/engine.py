@@ -120,6 +120,10 @@ class Job:
             self.abort = reason
             self._wake.set()
 
+    def stop(self) -> None:
+        """A stop string matched (Flow's hook): end at the next step; the counts come with the end."""
+        self.cancel("stop string")
+
     def worker_left(self, worker_id: str, reason: str) -> None:
         """Flow's hook for a departed worker: an in-process job has none."""
 

@@ -51,6 +51,7 @@ class Request:
     chunks: int = 0
     first_token_at: float | None = None
     abort: str = ""  # set by release: leave the batch at the next step boundary
+    released_as: str = "abort"  # the finish reason a release gives ("stop": the router matched a stop string)
     started: bool = False
     failed: bool = field(default=False)
     at: Stamps = field(default_factory=Stamps)
@@ -175,6 +176,7 @@ class DecodeWorker:
         if req is None:
             return Ack()
         req.abort = msg.reason or "released"
+        req.released_as = msg.finish_reason
         if not req.started:
             self.agent.arrivals.abort(tag, req.abort)  # slots come back at the RELEASE event
         self.wake.set()
@@ -226,7 +228,7 @@ class DecodeWorker:
         while True:
             for tag, req in list(self.requests.items()):
                 if req.started and (req.abort or req.seq.finish_reason):
-                    await self._finish(tag, req, req.seq.finish_reason or "abort")
+                    await self._finish(tag, req, req.seq.finish_reason or req.released_as)
             batch = [(t, r) for t, r in self.requests.items() if r.started and not r.abort][:self.config.max_batch]
             if not batch:
                 self.wake.clear()

@@ -212,7 +212,9 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int) -> Call:
     _unsupported(body, "top_logprobs")
     _unsupported(body, "tool_choice", (None, "none", "auto"))
     prompt = render_chat(body.get("messages"))
-    max_tokens = _get(body, "max_completion_tokens", int) or _get(body, "max_tokens", int, default_max_tokens)
+    max_tokens = _get(body, "max_completion_tokens", int)  # 0 is a value (refused below), not "unset"
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int, default_max_tokens)
     request = GenerateRequest(prompt=prompt, **_common(body, served_model, max_tokens))
     return Call("chat", body.get("model") or served_model, request, **_options(body))
 

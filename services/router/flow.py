@@ -110,6 +110,11 @@ class Flow:
         self.admission.cancel(self.request_id)
         self.events.put_nowait(("cancel", reason))
 
+    def stop(self) -> None:
+        """A stop string matched: decode ends the request at its next step and still reports its
+        counts (unlike a cancel, which ends the flow at once)."""
+        self.events.put_nowait(("stop", None))
+
     def worker_left(self, worker_id: str, reason: str) -> None:
         """A worker this request depends on is gone: end the request (or retry it, if no token
         was sent yet) now instead of at a timeout. Prefill matters only until decode streams."""
@@ -284,7 +289,7 @@ class Flow:
 
     # --- relay ----------------------------------------------------------------------------
     async def _relay(self) -> AsyncIterator[list[int]]:
-        started, got_first, expected_seq = time.monotonic(), False, 0
+        started, got_first, expected_seq, stopping = time.monotonic(), False, 0, False
         while True:
             limit = self.timeouts.idle_s if got_first else self.timeouts.first_token_s
             remaining = min(limit, self.timeouts.request_s - (time.monotonic() - started))
@@ -298,6 +303,10 @@ class Flow:
             if kind == "cancel":
                 self.outcome.finish_reason = "abort"
                 return
+            if kind == "stop":  # wait for decode's last chunk, with the counts; tokens after it are dropped
+                stopping = True
+                await self._release("stop string", "stop")
+                continue
             if kind == "prefill_error" and got_first:
                 # Decode streams only once every WRITE notified and the aux tag matched: it holds
                 # the whole state, so a late sender-side failure (e.g. a completion it never saw)
@@ -317,7 +326,7 @@ class Flow:
                 if value.token_ids and not got_first:
                     self.at.mark("first_chunk")
                 got_first = got_first or bool(value.token_ids)
-                if value.token_ids:
+                if value.token_ids and not stopping:
                     yield value.token_ids
                 if value.finished:
                     self.outcome.finish_reason = value.finish_reason
@@ -326,15 +335,16 @@ class Flow:
                     self._released = value.finish_reason != "error"
                     return
 
-    async def _release(self, reason: str) -> None:
+    async def _release(self, reason: str, finish_reason: str = "abort") -> None:
         if self._released or self.decode_id is None:
             return
         self._released = True
-        await self._release_on(subjects.decode_release(self.decode_id), self.decode_id, reason)
+        await self._release_on(subjects.decode_release(self.decode_id), self.decode_id, reason, finish_reason)
 
-    async def _release_on(self, subject: str, worker_id: str, reason: str) -> None:
+    async def _release_on(self, subject: str, worker_id: str, reason: str, finish_reason: str = "abort") -> None:
         try:
-            await self.bus.request(subject, ReleaseRequest(request_id=self.attempt_id, reason=reason), Ack,
+            await self.bus.request(subject, ReleaseRequest(request_id=self.attempt_id, reason=reason,
+                                                           finish_reason=finish_reason), Ack,
                                    timeout=self.timeouts.control_s)
         except BatonError as exc:
             log.warning("release of %s on %s failed: %s", self.request_id, worker_id, exc)

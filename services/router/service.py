@@ -125,8 +125,8 @@ class Router:
             raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         context = self.model.max_position_embeddings
         if len(ids) + req.max_tokens > context:
-            raise BatonError(ErrorCode.TOO_LARGE, f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) "
-                             f"exceeds the model's context of {context} tokens")
+            raise bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
+                              f"context of {context} tokens")  # a 400 over HTTP, as OpenAI-compatible servers
         request_id = req.request_id or uuid.uuid4().hex
         if request_id in self.flows:
             raise bad_request(f"request id {request_id} is already in flight")
@@ -149,7 +149,7 @@ class Router:
                                   stop_token_ids=stop_ids, draft_tokens=req.draft_tokens)
         flow = await self._open_flow(request_id, ids, req.max_tokens, sampling)
         flow.at["received"] = received
-        text, n_tokens, ttft = TextStream(self.tokenizer, req.stop), 0, None
+        text, n_tokens, ttft = TextStream(self.tokenizer, req.stop, frozenset(stop_ids)), 0, None
         self.flows[request_id] = flow
         if self._early_cancels.pop(request_id, 0.0) > time.monotonic():
             flow.cancel("cancelled before it started")
@@ -167,8 +167,8 @@ class Router:
                     n_tokens += len(ids_out)
                     if ids_out or delta:
                         yield ids_out, delta
-                    if text.stopped:
-                        flow.cancel("stop string")
+                    if text.stopped and ids_out:  # the chunk that matched: later ones bring no tokens
+                        flow.stop()
             completed = True
         finally:
             self.flows.pop(request_id, None)

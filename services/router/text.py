@@ -14,6 +14,9 @@ decoded together with the unfinished ones (an unfinished character decodes as on
 characters before it are final and may be released). `window` keeps just the text the stop strings
 still need: the last characters released (as many as the longest stop string) and the settled text
 not yet released.
+
+A stop token (end of text, or one of the request's `stop_token_ids`) is reported among the token
+ids but has no text, as in vLLM: the literal `<|endoftext|>` never reaches a client.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer: TextTokenizer, stop: list[str]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer: TextTokenizer, stop: list[str], stop_token_ids: frozenset[int] = frozenset()) -> None:
+        self.tokenizer, self.stop, self.stop_token_ids = tokenizer, stop, stop_token_ids
         self.tokens: list[int] = []
         self.prefix = self.read = 0  # token offsets, see the module docstring
         self.window = ""  # settled text of tokens[:read], less what no stop string can reach
@@ -37,7 +40,7 @@ class TextStream:
         stop string matched, `stopped` is True and later tokens are dropped."""
         if self.stopped:
             return [], ""
-        self.tokens.extend(token_ids)
+        self.tokens.extend(t for t in token_ids if t not in self.stop_token_ids)
         text = self._decode()
         cut = self._stop_at(text)
         if cut is not None:
