@@ -204,6 +204,9 @@ def serve(args, cfg: Config | None = None) -> int:
                 await _worker(role, stop, bus, worker)
             else:
                 await SERVICES[role](stop, bus, cfg)
+        except BatonError as exc:  # e.g. the registry refused the worker: duplicate_worker, a bad manifest
+            log.error("%s exits: %s", role, exc)
+            raise SystemExit(1)
         finally:
             if keeper is not None:
                 keeper.cancel()

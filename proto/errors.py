@@ -14,6 +14,7 @@ class ErrorCode(str, Enum):
     TIMEOUT = "timeout"  # a deadline passed before an answer
     INTERNAL = "internal"  # a bug or an unexpected failure; logged with the request id
     UNAVAILABLE = "unavailable"  # nobody serves the subject, or the service is shutting down
+    DUPLICATE_WORKER = "duplicate_worker"  # another live instance holds this worker id
 
 
 class BatonError(Exception):

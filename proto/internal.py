@@ -47,6 +47,7 @@ class Capacity:
 @dataclass(frozen=True, kw_only=True)
 class WorkerRegistration:
     worker_id: WorkerId
+    instance_id: WorkerId  # random per process start: tells a restarted worker from a second live one
     role: Role
     manifest: dict  # the KV library's manifest, plain data
     nixl_metadata: bytes  # NIXL agent metadata (opaque; never unpickled)
@@ -71,6 +72,7 @@ class WorkerLoad:
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat:
     worker_id: WorkerId
+    instance_id: WorkerId
     load: WorkerLoad
 
 
@@ -82,6 +84,7 @@ class HeartbeatReply:
 @dataclass(frozen=True, kw_only=True)
 class Deregistration:
     worker_id: WorkerId
+    instance_id: WorkerId
     reason: str = ""
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from baton.proto import subjects
 from baton.proto.codec import decode
-from baton.proto.errors import BatonError
+from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, Capacity, Deregistration, Heartbeat, HeartbeatReply, LookupReply,
                                   LookupRequest, RegisterReply, WorkerEvent, WorkerLoad, WorkerRegistration)
 from baton.shared.bus import Bus
@@ -71,11 +71,16 @@ class EngineThread:
 @dataclass
 class Membership:
     """Register with the registry, heartbeat under the lease (re-registering when the registry
-    forgot us, e.g. after our lease expired), deregister on stop."""
+    forgot us, e.g. after our lease expired), deregister on stop. The registration names this
+    process's instance: when another live instance holds the worker id, `start` raises
+    `duplicate_worker`; when that is found out later, `refusal` is set and `on_refused` called
+    (the worker stops: it must not serve the other instance's subjects)."""
     bus: Bus
     registration: WorkerRegistration
     load: Callable[[], WorkerLoad]
     lease_s: float = 5.0
+    on_refused: Callable[[], Any] = lambda: None
+    refusal: BatonError | None = field(default=None, init=False)
     _task: asyncio.Task | None = field(default=None, init=False)
 
     async def start(self, timeout_s: float = 60.0) -> None:
@@ -90,36 +95,47 @@ class Membership:
                     raise
                 await asyncio.sleep(0.2)
         self._task = asyncio.create_task(self._beat(), name="heartbeat")
-        log.info("registered as %s %s", self.registration.role, self.registration.worker_id)
+        log.info("registered as %s %s (instance %s)", self.registration.role, self.registration.worker_id,
+                 self.registration.instance_id)
 
     async def _beat(self) -> None:
-        while True:
+        while self.refusal is None:
             await asyncio.sleep(min(HEARTBEAT_S, self.lease_s / 4))
             await self.beat()
 
     async def beat(self) -> None:
         """Send the load now (e.g. that we are draining) instead of at the next heartbeat."""
+        reg = self.registration
         try:
-            beat = Heartbeat(worker_id=self.registration.worker_id, load=self.load())
+            beat = Heartbeat(worker_id=reg.worker_id, instance_id=reg.instance_id, load=self.load())
             reply = await self.bus.request(subjects.HEARTBEAT, beat, HeartbeatReply, timeout=2.0)
             if not reply.registered:
-                await self.bus.request(subjects.REGISTER, self.registration, RegisterReply, timeout=5.0)
-        except BatonError as exc:  # registry restarting: keep serving, keep trying
-            log.warning("heartbeat failed: %s", exc)
+                await self.bus.request(subjects.REGISTER, reg, RegisterReply, timeout=5.0)
+        except BatonError as exc:
+            if exc.code is ErrorCode.DUPLICATE_WORKER:
+                log.error("%s", exc.message)
+                self.refusal = exc
+                self.on_refused()
+            else:  # registry restarting: keep serving, keep trying
+                log.warning("heartbeat failed: %s", exc)
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
+        if self.refusal is not None:  # the worker id is another instance's: leave its entry alone
+            return
         try:
             await self.bus.request(subjects.DEREGISTER, Deregistration(
-                worker_id=self.registration.worker_id, reason="shutdown"), Ack, timeout=2.0)
+                worker_id=self.registration.worker_id, instance_id=self.registration.instance_id,
+                reason="shutdown"), Ack, timeout=2.0)
         except BatonError as exc:
             log.warning("deregister failed: %s", exc)
 
 
 def registration(config: WorkerConfig, manifest: Manifest, nixl_metadata: bytes, max_seq_len: int) -> WorkerRegistration:
     return WorkerRegistration(
-        worker_id=config.worker_id, role=config.role, manifest=to_plain(manifest), nixl_metadata=nixl_metadata,
+        worker_id=config.worker_id, instance_id=uuid.uuid4().hex, role=config.role, manifest=to_plain(manifest),
+        nixl_metadata=nixl_metadata,
         capacity=Capacity(total_pages=config.num_pages, page_size=config.page_size,
                           total_slots=config.num_slots, max_seq_len=max_seq_len))
 

@@ -14,7 +14,7 @@ SAMPLING = internal.SamplingParams(temperature=0.7, top_p=0.9, seed=2**64 - 1, s
 CAPACITY = internal.Capacity(total_pages=4096, page_size=16, total_slots=64, max_seq_len=4096)
 LOAD = internal.WorkerLoad(free_pages=3900, free_slots=60, active_requests=4, queued_prompt_tokens=0)
 REGISTRATION = internal.WorkerRegistration(
-    worker_id="decode-0", role="decode",
+    worker_id="decode-0", instance_id="5f0c3a9e1b7d42c8", role="decode",
     manifest={"components": [{"name": "target_full", "kind": "FULL", "layers": [2, 5], "item_bytes": 8192}],
               "page_size": 16, "blob": b"\x00\x01", "ratio": 0.5, "none": None},
     nixl_metadata=bytes(range(256)) * 2, capacity=CAPACITY)
@@ -34,9 +34,9 @@ EXAMPLES = [
     internal.Ack(),
     REGISTRATION,
     internal.RegisterReply(lease_ms=3000),
-    internal.Heartbeat(worker_id="decode-0", load=LOAD),
+    internal.Heartbeat(worker_id="decode-0", instance_id="5f0c3a9e1b7d42c8", load=LOAD),
     internal.HeartbeatReply(registered=True),
-    internal.Deregistration(worker_id="decode-0", reason="shutdown"),
+    internal.Deregistration(worker_id="decode-0", instance_id="5f0c3a9e1b7d42c8", reason="shutdown"),
     internal.LookupRequest(role="prefill"),
     internal.LookupRequest(worker_id="decode-0"),
     internal.LookupReply(workers=[internal.WorkerInfo(registration=REGISTRATION, load=LOAD)]),

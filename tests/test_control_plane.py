@@ -2,15 +2,27 @@
 of JetStream consumers, refuses a second live instance of a worker id, and does not declare the
 living dead after its own pause."""
 import asyncio
+import signal
+from pathlib import Path
 
 import pytest
 
 from baton.proto import subjects
+from baton.proto.codec import decode
+from baton.proto.internal import LookupReply, LookupRequest, WorkerEvent
 from baton.services.registry.service import BUCKET
 from baton.shared.bus import Bus
-from e2e_cluster import running_cluster
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from e2e_cluster import Reference, running_cluster, wait_all_free
+from test_faults import assert_exact, outcome, prompt
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+WORKER_ARGS = ["--model", str(DEFAULT_MODEL_DIR), "--threads", "1", "--num-pages", "512", "--num-slots", "16"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Reference()
 
 
 async def consumers(bus: Bus) -> int:
@@ -43,3 +55,85 @@ def test_an_idle_cluster_keeps_the_consumer_count_flat():
                 print(f"consumers on the workers' bucket: {before} before, {after} after 60 lookups")
                 assert after <= before <= 1
         asyncio.run(run())
+
+
+async def registered(bus: Bus) -> dict[str, tuple[str, str]]:
+    """worker id -> (role, instance id) of every registered worker."""
+    reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
+    return {w.registration.worker_id: (w.registration.role, w.registration.instance_id) for w in reply.workers}
+
+
+def test_a_second_decode_with_a_live_worker_id_is_refused_and_every_output_stays_exact(reference):
+    """A reused --worker-id: the registry used to accept the second instance, whose registration
+    and heartbeats overwrote the first's, and requests came back with wrong tokens."""
+    prompts = [prompt(30 + 7 * i, 100 + i) for i in range(4)]
+    with running_cluster(prefill=1, decode=1) as cluster:
+        async def run():
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
+                before = await registered(bus)
+                decode_id = next(w for w, (role, _) in before.items() if role == "decode")
+                cluster.spawn("decode", [*WORKER_ARGS, "--worker-id", decode_id], cluster.log_dir)
+                duplicate = cluster.children[-1][1]
+                exited = asyncio.get_running_loop().run_in_executor(None, duplicate.wait, 240)
+                results = []
+                while not exited.done():  # requests flow while the duplicate starts, is refused and exits
+                    results += await asyncio.gather(*(outcome(bus, p, 24) for p in prompts))
+                results += await asyncio.gather(*(outcome(bus, p, 24) for p in prompts))
+                return await exited, results, before, await registered(bus)
+        code, results, before, after = asyncio.run(run())
+        log = (Path(cluster.log_dir) / f"decode-{len(cluster.children) - 1}.log").read_text()
+        assert code != 0 and "duplicate_worker" in log, log[-2000:]
+        assert after == before, (before, after)
+        for i, reply in enumerate(results):
+            assert_exact(reference, prompts[i % len(prompts)], reply, 24)
+        print(f"{len(results)} requests exact while the duplicate started and exited with {code}")
+        asyncio.run(wait_all_free(cluster.nats_url))
+
+
+async def worker_events(bus: Bus) -> list:
+    """Every WorkerEvent published from now on (appended as they come)."""
+    got: list = []
+
+    async def on_event(msg) -> None:
+        got.append(decode(msg.data, WorkerEvent))
+    await bus.subscribe(subjects.WORKER_EVENTS, on_event)
+    return got
+
+
+def test_a_registry_paused_for_15_s_drops_no_worker_and_fails_no_request(reference):
+    """SIGSTOP of the registry alone: its leases used to expire by the bucket's TTL meanwhile, so on
+    resume every worker was announced "left" and every in-flight request failed."""
+    prompts = [prompt(30 + 5 * i, 120 + i) for i in range(4)]
+    with running_cluster(prefill=1, decode=1) as cluster:
+        registry = next(proc for role, proc in cluster.children if role == "registry")
+
+        async def rounds(bus: Bus, until: asyncio.Event, results: list) -> None:
+            while not until.is_set():
+                results += await asyncio.gather(*(outcome(bus, p, 32) for p in prompts))
+
+        async def run():
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
+                before, events = await registered(bus), await worker_events(bus)
+                results, paused, resumed = [], asyncio.Event(), asyncio.Event()
+                during = asyncio.create_task(rounds(bus, paused, results))
+                await asyncio.sleep(1.0)  # load flowing before the pause
+                registry.send_signal(signal.SIGSTOP)
+                await asyncio.sleep(15.0)  # the fault: a 15 s pause
+                registry.send_signal(signal.SIGCONT)
+                paused.set()
+                await during
+                await registered(bus)  # the registry answers again
+                after_resume: list = []
+                sweeps = asyncio.create_task(rounds(bus, resumed, after_resume))
+                while len(after_resume) < 3 * len(prompts) * 2:  # >= 6 rounds served after the resume
+                    await asyncio.sleep(0.2)
+                resumed.set()
+                await sweeps
+                return before, await registered(bus), events, results + after_resume
+        before, after, events, results = asyncio.run(run())
+        assert after == before, (before, after)
+        assert [e for e in events if e.kind == "left"] == [], events
+        for i, reply in enumerate(results):
+            assert_exact(reference, prompts[i % len(prompts)], reply, 32)
+        print(f"{len(results)} requests exact across a 15 s registry pause")
+        asyncio.run(wait_all_free(cluster.nats_url))

@@ -173,8 +173,8 @@ def test_registration_rules(path, value, mentions):
 
 
 @pytest.mark.parametrize("cls, fields, mentions", [
-    (internal.Heartbeat, {"worker_id": "w", "load": {"free_pages": -5, "free_slots": 0, "active_requests": 0,
-                                                     "queued_prompt_tokens": 0}}, "'load.free_pages'"),
+    (internal.Heartbeat, {"worker_id": "w", "instance_id": "i", "load": {"free_pages": -5, "free_slots": 0, "active_requests": 0,
+                                                                         "queued_prompt_tokens": 0}}, "'load.free_pages'"),
     (internal.ReserveRequest, {"request_id": "r", "token_ids": [1], "max_tokens": 4, "sampling": {"top_p": 0},
                                "stream_subject": "_INBOX.x"}, "'top_p'"),
     (internal.ReserveRequest, {"request_id": "r", "token_ids": [1], "max_tokens": 4, "sampling": {},

@@ -7,7 +7,8 @@ import pytest
 
 from baton.proto import subjects
 from baton.proto.codec import decode
-from baton.proto.internal import (Capacity, Heartbeat, HeartbeatReply, LookupReply, LookupRequest,
+from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.internal import (Ack, Capacity, Deregistration, Heartbeat, HeartbeatReply, LookupReply, LookupRequest,
                                   RegisterReply, WorkerEvent, WorkerLoad, WorkerRegistration)
 from baton.services.registry.service import BUCKET, Registry, RegistryConfig
 from baton.shared.bus import Bus
@@ -23,11 +24,26 @@ CFG = ModelConfig(vocab_size=64, hidden_size=6, intermediate_size=8, num_attenti
 LOAD = WorkerLoad(free_pages=16, free_slots=2, active_requests=0, queued_prompt_tokens=0)
 
 
-def registration(worker_id: str, role: str = "decode") -> WorkerRegistration:
+def registration(worker_id: str, role: str = "decode", instance: str = "i1") -> WorkerRegistration:
     store = KVStore(CFG, mode="ring", num_pages=16, page_size=4, num_slots=2, max_draft_tokens=3)
-    return WorkerRegistration(worker_id=worker_id, role=role, manifest=to_plain(store.manifest(worker_id, "sha256:m", role)),
-                              nixl_metadata=b"", capacity=Capacity(total_pages=16, page_size=4, total_slots=2,
-                                                                   max_seq_len=64))
+    return WorkerRegistration(worker_id=worker_id, instance_id=instance, role=role,
+                              manifest=to_plain(store.manifest(worker_id, "sha256:m", role)), nixl_metadata=b"",
+                              capacity=Capacity(total_pages=16, page_size=4, total_slots=2, max_seq_len=64))
+
+
+def beat(worker_id: str, instance: str = "i1") -> Heartbeat:
+    return Heartbeat(worker_id=worker_id, instance_id=instance, load=LOAD)
+
+
+async def refusal(bus: Bus, subject: str, message, reply_cls) -> BatonError:
+    with pytest.raises(BatonError) as refused:
+        await bus.request(subject, message, reply_cls)
+    return refused.value
+
+
+async def registered(bus: Bus) -> list[tuple[str, str]]:
+    reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
+    return [(w.registration.worker_id, w.registration.instance_id) for w in reply.workers]
 
 
 @contextlib.asynccontextmanager
@@ -60,8 +76,7 @@ def test_lookups_heartbeats_and_sweeps_leave_the_consumer_count_flat():
                 reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
                 assert sorted(w.registration.worker_id for w in reply.workers) == ["decode-a", "decode-b"]
                 if i % 3 == 0:
-                    beat = Heartbeat(worker_id="decode-a", load=LOAD)
-                    assert (await bus.request(subjects.HEARTBEAT, beat, HeartbeatReply)).registered
+                    assert (await bus.request(subjects.HEARTBEAT, beat("decode-a"), HeartbeatReply)).registered
             assert await consumers(bus) == before <= 1, "consumers grew with lookups and sweeps"
     asyncio.run(run())
 
@@ -97,13 +112,64 @@ def test_a_worker_that_stops_heartbeating_is_dropped_after_its_lease_and_announc
             assert [(await seen.get()).kind for _ in range(2)] == ["joined", "joined"]
             left = asyncio.create_task(seen.get())
             while not left.done():  # one keeps beating, the other fell silent
-                beat = Heartbeat(worker_id="decode-beating", load=LOAD)
-                assert (await bus.request(subjects.HEARTBEAT, beat, HeartbeatReply)).registered
+                assert (await bus.request(subjects.HEARTBEAT, beat("decode-beating"), HeartbeatReply)).registered
                 await asyncio.wait([left], timeout=0.2)
             event = left.result()
             assert (event.kind, event.worker_id, event.reason) == ("left", "decode-quiet", "lease expired")
             reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
             assert [w.registration.worker_id for w in reply.workers] == ["decode-beating"]
-            quiet = Heartbeat(worker_id="decode-quiet", load=LOAD)
-            assert not (await bus.request(subjects.HEARTBEAT, quiet, HeartbeatReply)).registered
+            assert not (await bus.request(subjects.HEARTBEAT, beat("decode-quiet"), HeartbeatReply)).registered
     asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_a_second_live_instance_of_a_worker_id_is_refused_and_a_restarted_one_accepted():
+    async def run():
+        async with registry(RegistryConfig(lease_s=1.0, sweep_s=0.05)) as (reg, bus):
+            seen = await events(bus)
+            await bus.request(subjects.REGISTER, registration("decode-x"), RegisterReply)
+            assert (await seen.get()).kind == "joined"
+            for subject, message, reply_cls in [
+                    (subjects.REGISTER, registration("decode-x", instance="i2"), RegisterReply),
+                    (subjects.HEARTBEAT, beat("decode-x", instance="i2"), HeartbeatReply),
+                    (subjects.DEREGISTER, Deregistration(worker_id="decode-x", instance_id="i2"), Ack)]:
+                error = await refusal(bus, subject, message, reply_cls)
+                assert error.code is ErrorCode.DUPLICATE_WORKER and "instance i1 holds" in error.message, error
+            assert await registered(bus) == [("decode-x", "i1")]
+            assert (await bus.request(subjects.HEARTBEAT, beat("decode-x"), HeartbeatReply)).registered
+            await bus.request(subjects.REGISTER, registration("decode-x"), RegisterReply)  # the same instance again
+            # a restart after an explicit deregistration, and after the lease expired
+            await bus.request(subjects.DEREGISTER, Deregistration(worker_id="decode-x", instance_id="i1"), Ack)
+            assert (await seen.get()).kind == "left"
+            await bus.request(subjects.REGISTER, registration("decode-x", instance="i2"), RegisterReply)
+            assert (await seen.get()).kind == "joined"
+            event = await asyncio.wait_for(seen.get(), 10)  # i2 never heartbeats
+            assert (event.kind, event.reason) == ("left", "lease expired")
+            await bus.request(subjects.REGISTER, registration("decode-x", instance="i3"), RegisterReply)
+            assert await registered(bus) == [("decode-x", "i3")]
+    asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_two_instances_registering_at_once_one_is_refused():
+    async def run():
+        async with registry() as (reg, bus):
+            regs = [registration("decode-y", instance=f"i{n}") for n in range(4)]
+            outcomes = await asyncio.gather(*(bus.request(subjects.REGISTER, r, RegisterReply) for r in regs),
+                                            return_exceptions=True)
+            refused = [o for o in outcomes if isinstance(o, BatonError)]
+            assert len(refused) == 3 and all(o.code is ErrorCode.DUPLICATE_WORKER for o in refused), outcomes
+            winner = regs[outcomes.index(next(o for o in outcomes if not isinstance(o, BatonError)))]
+            assert await registered(bus) == [("decode-y", winner.instance_id)]
+    asyncio.run(run())
+
+
+def test_an_instance_cannot_change_its_registration():
+    async def run():
+        async with registry() as (reg, bus):
+            first = registration("decode-z")
+            await bus.request(subjects.REGISTER, first, RegisterReply)
+            changed = WorkerRegistration(**{**first.__dict__, "nixl_metadata": b"garbage"})
+            error = await refusal(bus, subjects.REGISTER, changed, RegisterReply)
+            assert error.code is ErrorCode.BAD_REQUEST and "never changes" in error.message, error
+            reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
+            assert [w.registration for w in reply.workers] == [first]
+    asyncio.run(run())

@@ -89,13 +89,14 @@ class DecodeWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.metrics.serve_from_env()
+        self.membership.on_refused = stop.set
         async with self.agent:
+            await self.membership.start()  # the worker id is ours before we serve its subjects
             tasks = [asyncio.create_task(self._arrivals(), name="arrivals"),
                      asyncio.create_task(self._step_loop(), name="decode-steps")]
             await self.bus.serve(subjects.decode_reserve(self.config.worker_id), ReserveRequest, self.reserve)
             await self.bus.serve(subjects.decode_release(self.config.worker_id), ReleaseRequest, self.release)
             await on_worker_left(self.bus, self._peer_left)
-            await self.membership.start()
             await stop.wait()
             log.info("stopping: no new reservations; %d requests in flight", len(self.requests))
             await self.membership.stop()
@@ -107,6 +108,8 @@ class DecodeWorker:
                 task.cancel()
             await self.bus.close()
         self.engine.close()
+        if self.membership.refusal is not None:
+            raise self.membership.refusal
 
     async def _drain(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

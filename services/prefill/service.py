@@ -86,12 +86,13 @@ class PrefillWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.metrics.serve_from_env()
+        self.membership.on_refused = stop.set
         async with self.agent:
+            await self.membership.start()  # the worker id is ours before we serve its subjects
             await self.bus.serve(subjects.prefill_dispatch(self.config.worker_id), PrefillDispatch, self.dispatch)
             await self.bus.serve(subjects.prefill_target(self.config.worker_id), PrefillTarget, self.target)
             await self.bus.serve(subjects.prefill_release(self.config.worker_id), ReleaseRequest, self.release)
             await on_worker_left(self.bus, self._peer_left)
-            await self.membership.start()
             batcher = asyncio.create_task(self._batcher(), name="prefill-batcher")
             await stop.wait()
             log.info("stopping: no new prompts; finishing %d in flight", len(self.jobs))
@@ -102,6 +103,8 @@ class PrefillWorker:
             await self.bus.close(grace_s=1.0)
             batcher.cancel()
         self.engine.close()
+        if self.membership.refusal is not None:
+            raise self.membership.refusal
 
     async def _drain(self, timeout_s: float) -> None:
         """Finish the requests held (compute, wait for a target, WRITE) for up to `timeout_s`;

@@ -94,11 +94,20 @@ class Registry:
         if manifest.worker_id != reg.worker_id or manifest.role != reg.role:
             raise bad_request(f"manifest names worker {manifest.worker_id!r} ({manifest.role}), "
                               f"registration says {reg.worker_id!r} ({reg.role})")
+        lease = self.leases.get(reg.worker_id)
+        if lease is not None:
+            self._check_instance(lease, reg.instance_id, "registration")
+            if lease.info.registration != reg:
+                raise bad_request(f"instance {reg.instance_id} of {reg.worker_id} registered again with another "
+                                  "manifest or capacity; a registration never changes while its instance lives")
         load = WorkerLoad(free_pages=reg.capacity.total_pages, free_slots=reg.capacity.total_slots,
                           active_requests=0, queued_prompt_tokens=0)
-        joined = reg.worker_id not in self.leases
-        await self._put(WorkerInfo(registration=reg, load=load))
-        if joined:
+        try:
+            await self._put(WorkerInfo(registration=reg, load=load), last=lease.revision if lease else 0)
+        except KeyWrongLastSequenceError:  # registered meanwhile, here or at another registry
+            raise BatonError(ErrorCode.DUPLICATE_WORKER, f"worker {reg.worker_id} was registered by another "
+                             f"instance while instance {reg.instance_id} registered") from None
+        if lease is None:
             await self._event("joined", reg.worker_id, reg.role)
         self.metrics.requests.labels("registered").inc()
         log.info("registered %s %s", reg.role, reg.worker_id)
@@ -108,6 +117,7 @@ class Registry:
         lease = self.leases.get(beat.worker_id)
         if lease is None:
             return HeartbeatReply(registered=False)
+        self._check_instance(lease, beat.instance_id, "heartbeat")
         info = lease.info
         try:
             await self._put(WorkerInfo(registration=info.registration, load=beat.load), last=lease.revision)
@@ -120,6 +130,7 @@ class Registry:
     async def deregister(self, msg: Deregistration) -> Ack:
         lease = self.leases.get(msg.worker_id)
         if lease is not None:
+            self._check_instance(lease, msg.instance_id, "deregistration")
             await self._drop(msg.worker_id, lease, msg.reason or "deregistered")
         return Ack()
 
@@ -163,11 +174,11 @@ class Registry:
                 sum(1 for lease in self.leases.values() if lease.info.registration.role == role))
         self._plans = {k: v for k, v in self._plans.items() if k[0] in self.leases and k[1] in self.leases}
 
-    async def _put(self, info: WorkerInfo, last: int | None = None) -> None:
-        """Write the worker's entry; with `last`, only if it is still at that revision."""
+    async def _put(self, info: WorkerInfo, last: int) -> None:
+        """Write the worker's entry if it is still at revision `last` (0: if it has none)."""
         worker_id = info.registration.worker_id
         data = encode(info)
-        revision = await (self.kv.put(worker_id, data) if last is None else self.kv.update(worker_id, data, last))
+        revision = await (self.kv.update(worker_id, data, last) if last else self.kv.create(worker_id, data))
         self._apply(worker_id, revision, info)
 
     async def _drop(self, worker_id: str, lease: Lease, reason: str) -> None:
@@ -224,6 +235,14 @@ class Registry:
         except (CodecError, ManifestError) as exc:
             raise bad_request(f"manifest of {reg.worker_id} refused: {exc}")
         return manifest
+
+    @staticmethod
+    def _check_instance(lease: Lease, instance_id: str, what: str) -> None:
+        reg = lease.info.registration
+        if instance_id != reg.instance_id:
+            raise BatonError(ErrorCode.DUPLICATE_WORKER, (
+                f"{what} of {reg.role} {reg.worker_id} from instance {instance_id} refused: instance "
+                f"{reg.instance_id} holds this worker id and its lease is alive; give every worker its own id"))
 
     def _lease(self, worker_id: str) -> Lease:
         lease = self.leases.get(worker_id)
