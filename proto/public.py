@@ -23,6 +23,7 @@ class GenerateRequest:
     stream: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[TokenId] = field(default_factory=list)
+    ignore_eos: bool = False  # generate past the end-of-text token (to max_tokens or another stop)
     request_id: RequestId | None = None  # chosen by the client so it can cancel; else the router picks
 
     def validate(self, limits: Limits) -> None:

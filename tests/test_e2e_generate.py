@@ -208,3 +208,12 @@ def test_a_reply_ended_by_a_stop_string_reports_its_speculation(cluster):
     assert stopped.finish_reason == "stop" and stop not in stopped.text and stopped.usage.completion_tokens > 1
     spec = stopped.spec  # every token after the first (prefill's) came from a verify step
     assert spec.drafted == 3 * spec.verify_steps and spec.accepted + spec.verify_steps >= stopped.usage.completion_tokens - 1
+
+
+def test_ignore_eos_runs_every_request_to_max_tokens(cluster):
+    """What aiperf asks with `--extra-inputs ignore_eos:true`: sampled requests never end early."""
+    async def run():
+        return await asyncio.gather(*(generate(cluster.nats_url, prompt="To be, or not to be", max_tokens=64,
+                                               temperature=1.5, seed=seed, ignore_eos=True) for seed in range(8)))
+    for reply in asyncio.run(run()):
+        assert (len(reply.token_ids), reply.usage.completion_tokens, reply.finish_reason) == (64, 64, "length")

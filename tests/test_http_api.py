@@ -57,7 +57,8 @@ def test_chat_template_is_a_play_script():
     ({"prompt": "x", "echo": True}, "echo", 400),
     ({"prompt": "x", "logprobs": 2}, "logprobs", 400),
     ({"prompt": "x", "best_of": 3}, "best_of", 400),
-    ({"prompt": "x", "ignore_eos": True}, "ignore_eos", 400),
+    ({"prompt": "x", "ignore_eos": True}, None, None),  # vLLM's extension, supported (aiperf sends it)
+    ({"prompt": "x", "ignore_eos": 1}, "ignore_eos", 400),
     ({"prompt": "x", "max_tokens": "10"}, "max_tokens", 400),
     ({"prompt": "x", "max_tokens": True}, "max_tokens", 400),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", 400),

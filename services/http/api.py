@@ -108,7 +108,7 @@ def _common(body: dict, served_model: str, max_tokens: int) -> dict[str, Any]:
             raise bad(f"'{name}' is not supported by Baton", name)
     if _get(body, "n", int, 1) != 1:
         raise bad("'n': only 1 choice per request is supported", "n")
-    for name in ("logit_bias", "ignore_eos", "min_tokens", "tools", "functions"):
+    for name in ("logit_bias", "min_tokens", "tools", "functions"):
         _unsupported(body, name)
     fmt = _get(body, "response_format", dict, {"type": "text"})
     if fmt.get("type") != "text":
@@ -136,7 +136,7 @@ def _common(body: dict, served_model: str, max_tokens: int) -> dict[str, Any]:
         raise bad(f"'draft_tokens': must be in 0..{MAX_DRAFT_TOKENS}, got {draft_tokens}", "draft_tokens")
     return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                 stream=_get(body, "stream", bool, False), stop=stop, stop_token_ids=stop_ids,
-                draft_tokens=draft_tokens)
+                ignore_eos=_get(body, "ignore_eos", bool, False), draft_tokens=draft_tokens)
 
 
 def _options(body: dict) -> dict[str, Any]:

@@ -143,7 +143,7 @@ class Router:
         started = time.monotonic()
         received = round(started * 1000, 3)
         stop_ids = list(req.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer.eos_token_id is not None and not req.ignore_eos:
             stop_ids.append(self.tokenizer.eos_token_id)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                   stop_token_ids=stop_ids, draft_tokens=req.draft_tokens)
