@@ -106,8 +106,8 @@ class Blockers:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _run(self, request_id: str, streaming: asyncio.Event) -> None:
-        prompt = heldout_prompts(TOK, 1, 16, seed=1)[0]  # greedy: 1500 tokens without an end of text
-        request = GenerateRequest(token_ids=prompt, max_tokens=1500, stream=True, request_id=request_id)
+        prompt = heldout_prompts(TOK, 1, 16, seed=1)[0]
+        request = GenerateRequest(token_ids=prompt, max_tokens=1500, ignore_eos=True, stream=True, request_id=request_id)
         async with self.bus.stream_request(subjects.GENERATE, request, StreamChunk, timeout_per_message=120) as chunks:
             async for chunk in chunks:
                 streaming.set()
