@@ -2,6 +2,7 @@
 JetStream resources it holds (manifests come from real KV stores of a tiny model config)."""
 import asyncio
 import contextlib
+import time
 
 import pytest
 
@@ -173,3 +174,21 @@ def test_an_instance_cannot_change_its_registration():
             reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
             assert [w.registration for w in reply.workers] == [first]
     asyncio.run(run())
+
+
+def test_after_its_own_pause_the_registry_restarts_every_lease_instead_of_expiring_them():
+    """A registry that was stopped (here: its event loop blocked for two leases) saw no heartbeat
+    meanwhile; it must not conclude that every worker died."""
+    async def run():
+        async with registry(RegistryConfig(lease_s=1.0, sweep_s=0.05, pause_s=0.5)) as (reg, bus):
+            seen = await events(bus)
+            for worker_id in ("decode-p", "decode-q"):
+                await bus.request(subjects.REGISTER, registration(worker_id), RegisterReply)
+            time.sleep(2.0)  # the pause: nothing on this loop runs, the registry included
+            resumed = time.monotonic()
+            while reg._swept_at <= resumed:  # the first sweep after the pause
+                await asyncio.sleep(0.01)
+            for worker_id in ("decode-p", "decode-q"):
+                assert (await bus.request(subjects.HEARTBEAT, beat(worker_id), HeartbeatReply)).registered
+            assert [e.kind for e in [seen.get_nowait() for _ in range(seen.qsize())]] == ["joined", "joined"]
+    asyncio.run(asyncio.wait_for(run(), 60))

@@ -4,8 +4,9 @@ State lives in a JetStream key-value bucket (one key per worker, value = WorkerI
 so a registry restart loses nothing. The registry keeps its view of the bucket from one watch
 held for the process's life (listing keys per call would leave a server-side consumer behind
 each time), and decides itself when a lease expired: a worker whose entry has not changed for a
-lease, by this registry's clock, is deleted and announced "left". A worker whose heartbeat first
-says it is draining gets a "draining" event.
+lease, by this registry's clock, is deleted and announced "left" (after a pause of the registry
+itself, every lease starts over). A worker whose heartbeat first says it is draining gets a
+"draining" event.
 Never imports torch: it validates plain-data manifests against the model config.
 """
 from __future__ import annotations
@@ -43,6 +44,8 @@ WRONG_LAST_SEQUENCE = (10071, 10164)  # JetStream: the key changed since the rev
 class RegistryConfig:
     lease_s: float = 10.0  # a worker missing heartbeats this long is dropped (heartbeats every lease/4)
     sweep_s: float = 1.0
+    pause_s: float = 2.0  # a sweep this much later than due: this registry was paused (SIGSTOP, a frozen VM,
+    # a starved loop) and saw no heartbeat meanwhile, so every lease starts over instead of expiring
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Registry:
         self._plans: dict[tuple[str, str, int, int], dict] = {}  # (p, d, revisions) -> plan
         self._watcher: KeyValue.KeyWatcher | None = None
         self._tasks: list[asyncio.Task] = []
+        self._swept_at = time.monotonic()
         self.metrics = ServiceMetrics("registry")
 
     @classmethod
@@ -162,8 +166,13 @@ class Registry:
                 log.warning("sweep failed: %s", exc)
 
     async def sweep(self) -> None:
-        """Drop every worker whose entry has not changed for a lease."""
+        """Drop every worker whose entry has not changed for a lease, unless this registry was
+        paused: then it could not see their heartbeats, and every lease starts over."""
         now = time.monotonic()
+        late, self._swept_at = now - self._swept_at - self.config.sweep_s, now
+        if late > self.config.pause_s:
+            log.warning("this registry was paused for %.1f s: every lease starts over", late)
+            self.leases = {w: replace(lease, seen_at=now) for w, lease in self.leases.items()}
         for worker_id, lease in list(self.leases.items()):
             if now - lease.seen_at > self.config.lease_s:
                 self.metrics.expired.inc()
