@@ -126,6 +126,7 @@ class WorkerEvent:
     worker_id: WorkerId
     role: Role
     reason: str = ""  # for "left": deregistered / lease expired
+    instance_id: str = ""  # the worker's instance the event is about
 
 
 # --- decode ----------------------------------------------------------------------------

@@ -142,16 +142,32 @@ def registration(config: WorkerConfig, manifest: Manifest, nixl_metadata: bytes,
 
 async def on_worker_left(bus: Bus, callback: Callable[[str], Any]) -> None:
     """Call `await callback(worker_id)` whenever the registry reports a worker gone (deregistered
-    or lease expired): its NIXL peer is dropped and what it held is released."""
+    or lease expired): its NIXL peer is dropped and what it held is released. Anyone on the bus
+    can publish an event, so a "left" counts only if the registry's own view agrees."""
     async def handle(msg) -> None:
         try:
             event = decode(msg.data, WorkerEvent)
         except BatonError as exc:
             log.warning("ignored malformed worker event: %s", exc)
             return
-        if event.kind == "left":
+        if event.kind == "left" and await _left_indeed(bus, event):
             await callback(event.worker_id)
     await bus.subscribe(subjects.WORKER_EVENTS, handle)
+
+
+async def _left_indeed(bus: Bus, event: WorkerEvent) -> bool:
+    """False while the registry lists the instance the event names (any, if it names none) as
+    live. When the registry cannot be asked, the event is believed: a real departure matters more."""
+    try:
+        reply = await bus.request(subjects.LOOKUP, LookupRequest(worker_id=event.worker_id), LookupReply, timeout=2.0)
+    except BatonError as exc:
+        log.warning("worker %s left, unconfirmed (registry lookup failed: %s)", event.worker_id, exc)
+        return True
+    live = [w.registration.instance_id for w in reply.workers]
+    if any(not event.instance_id or instance == event.instance_id for instance in live):
+        log.warning("ignored a 'left' event for %s, which the registry lists as live", event.worker_id)
+        return False
+    return True
 
 
 def peer_lookup(bus: Bus) -> Callable[[str], Any]:

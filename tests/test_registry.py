@@ -12,6 +12,7 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, Capacity, Deregistration, Heartbeat, HeartbeatReply, LookupReply, LookupRequest,
                                   RegisterReply, WorkerEvent, WorkerLoad, WorkerRegistration)
 from baton.services.registry.service import BUCKET, Registry, RegistryConfig
+from baton.services.worker import on_worker_left
 from baton.shared.bus import Bus
 from baton.shared.bus.server import NatsServer
 from baton.shared.kv import KVStore
@@ -192,3 +193,20 @@ def test_after_its_own_pause_the_registry_restarts_every_lease_instead_of_expiri
                 assert (await bus.request(subjects.HEARTBEAT, beat(worker_id), HeartbeatReply)).registered
             assert [e.kind for e in [seen.get_nowait() for _ in range(seen.qsize())]] == ["joined", "joined"]
     asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_a_forged_left_event_for_a_live_worker_changes_nothing_for_its_peers():
+    """Anyone on the bus can publish a "left" event; a worker acts on it only if the registry
+    agrees (before, a forged one made decode free slots a live prefill was writing into)."""
+    async def run():
+        async with registry() as (reg, bus):
+            await bus.request(subjects.REGISTER, registration("prefill-f", role="prefill"), RegisterReply)
+            gone: asyncio.Queue = asyncio.Queue()
+            await on_worker_left(bus, gone.put)
+            for instance in ("i1", ""):  # naming the live instance, and naming none
+                await bus.publish(subjects.WORKER_EVENTS, WorkerEvent(kind="left", worker_id="prefill-f", role="prefill",
+                                                                      reason="forged", instance_id=instance))
+            await bus.request(subjects.DEREGISTER, Deregistration(worker_id="prefill-f", instance_id="i1"), Ack)
+            assert await asyncio.wait_for(gone.get(), 10) == "prefill-f"  # the real one, events come in order
+            assert gone.empty()
+    asyncio.run(run())

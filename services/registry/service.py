@@ -112,7 +112,7 @@ class Registry:
             raise BatonError(ErrorCode.DUPLICATE_WORKER, f"worker {reg.worker_id} was registered by another "
                              f"instance while instance {reg.instance_id} registered") from None
         if lease is None:
-            await self._event("joined", reg.worker_id, reg.role)
+            await self._event("joined", reg)
         self.metrics.requests.labels("registered").inc()
         log.info("registered %s %s", reg.role, reg.worker_id)
         return RegisterReply(lease_ms=int(self.config.lease_s * 1000))
@@ -128,7 +128,7 @@ class Registry:
         except KeyWrongLastSequenceError:  # dropped or re-registered meanwhile
             return HeartbeatReply(registered=False)
         if beat.load.draining and not info.load.draining:  # routers look again now, not at their next refresh
-            await self._event("draining", beat.worker_id, info.registration.role, "stopping")
+            await self._event("draining", info.registration, "stopping")
         return HeartbeatReply(registered=True)
 
     async def deregister(self, msg: Deregistration) -> Ack:
@@ -201,7 +201,7 @@ class Registry:
             raise
         if self.leases.get(worker_id) is lease:
             del self.leases[worker_id]
-        await self._event("left", worker_id, lease.info.registration.role, reason)
+        await self._event("left", lease.info.registration, reason)
 
     # --- the bucket watch -----------------------------------------------------------------
     async def _load(self) -> None:
@@ -259,9 +259,9 @@ class Registry:
             raise BatonError(ErrorCode.UNAVAILABLE, f"worker {worker_id} is not registered")
         return lease
 
-    async def _event(self, kind: str, worker_id: str, role: str, reason: str = "") -> None:
-        await self.bus.publish(subjects.WORKER_EVENTS,
-                               WorkerEvent(kind=kind, worker_id=worker_id, role=role, reason=reason))
+    async def _event(self, kind: str, reg: WorkerRegistration, reason: str = "") -> None:
+        await self.bus.publish(subjects.WORKER_EVENTS, WorkerEvent(
+            kind=kind, worker_id=reg.worker_id, role=reg.role, reason=reason, instance_id=reg.instance_id))
 
 
 async def open_bucket(js: JetStreamContext) -> KeyValue:
