@@ -108,7 +108,7 @@ def test_tools_are_refused_not_ignored():
 def test_every_error_code_has_a_status():
     assert {code: api.STATUS[code][0] for code in ErrorCode} == {
         ErrorCode.BAD_REQUEST: 400, ErrorCode.TOO_LARGE: 413, ErrorCode.BUSY: 429, ErrorCode.TIMEOUT: 504,
-        ErrorCode.INTERNAL: 500, ErrorCode.UNAVAILABLE: 503}
+        ErrorCode.INTERNAL: 500, ErrorCode.UNAVAILABLE: 503, ErrorCode.DUPLICATE_WORKER: 500}
     err = HttpError.from_baton(BatonError(ErrorCode.BUSY, "full"))
     assert err.body() == {"error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "busy"}}
 

@@ -16,7 +16,8 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import MAX_DRAFT_TOKENS, GenerateReply, GenerateRequest, StreamChunk, Usage
 
 # Baton error code -> (HTTP status, OpenAI error type). busy is 429 so clients back off and retry
-# (the openai client does, honouring Retry-After); a missing router is 503.
+# (the openai client does, honouring Retry-After); a missing router is 503. duplicate_worker is
+# between workers and the registry and never reaches a client; it is listed so every code has one.
 STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
     ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
@@ -24,6 +25,7 @@ STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.TIMEOUT: (504, "timeout_error"),
     ErrorCode.INTERNAL: (500, "server_error"),
     ErrorCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    ErrorCode.DUPLICATE_WORKER: (500, "server_error"),
 }
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 FINISH_REASONS = {"length": "length", "stop": "stop", "abort": "abort", "error": "error"}
