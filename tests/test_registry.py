@@ -12,6 +12,7 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, Capacity, Deregistration, Heartbeat, HeartbeatReply, LookupReply, LookupRequest,
                                   RegisterReply, WorkerEvent, WorkerLoad, WorkerRegistration)
 from baton.services.registry.service import BUCKET, Registry, RegistryConfig
+from baton.services.router.directory import Directory
 from baton.services.worker import on_worker_left
 from baton.shared.bus import Bus
 from baton.shared.bus.server import NatsServer
@@ -209,4 +210,31 @@ def test_a_forged_left_event_for_a_live_worker_changes_nothing_for_its_peers():
             await bus.request(subjects.DEREGISTER, Deregistration(worker_id="prefill-f", instance_id="i1"), Ack)
             assert await asyncio.wait_for(gone.get(), 10) == "prefill-f"  # the real one, events come in order
             assert gone.empty()
+    asyncio.run(run())
+
+
+def test_a_forged_left_event_changes_nothing_for_a_router(caplog):
+    """The router's directory, too, keeps a worker the registry still lists (before, a forged
+    "left" failed every request in flight to it) and acts on the real departure."""
+    def ignored() -> int:
+        return sum("ignored a 'left' event" in r.getMessage() for r in caplog.records)
+
+    async def run():
+        async with registry() as (reg, bus):
+            await bus.request(subjects.REGISTER, registration("prefill-f", role="prefill"), RegisterReply)
+            directory, gone = Directory(bus), asyncio.Queue()
+            directory.on_left = lambda worker_id, reason: gone.put_nowait((worker_id, reason))
+            await directory.start()
+            for instance in ("i1", ""):
+                await bus.publish(subjects.WORKER_EVENTS, WorkerEvent(kind="left", worker_id="prefill-f", role="prefill",
+                                                                      reason="forged", instance_id=instance))
+            async with asyncio.timeout(10):
+                while ignored() < 2:  # both forged events handled before the real departure
+                    await asyncio.sleep(0.01)
+            assert "prefill-f" in directory.workers and gone.empty()
+            await bus.request(subjects.DEREGISTER, Deregistration(worker_id="prefill-f", instance_id="i1"), Ack)
+            worker_id, reason = await asyncio.wait_for(gone.get(), 10)
+            assert (worker_id, reason != "forged") == ("prefill-f", True) and gone.empty()
+            assert "prefill-f" not in directory.workers
+    caplog.set_level("WARNING", logger="baton.router.directory")
     asyncio.run(run())

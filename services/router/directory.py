@@ -35,22 +35,24 @@ class Directory:
         await self.bus.subscribe(subjects.WORKER_EVENTS, self._on_event)
         await self.refresh()
 
-    async def refresh(self) -> None:
+    async def refresh(self) -> bool:
+        """Replace the view with the registry's; False (the last view kept) when it cannot be asked."""
         self._lookups_started += 1
         lookup = self._lookups_started
         try:
             reply = await self.bus.request(subjects.LOOKUP, LookupRequest(), LookupReply, timeout=2.0)
         except BatonError as exc:
             log.warning("registry lookup failed, keeping the last view (%d workers): %s", len(self.workers), exc)
-            return
+            return False
         if lookup < self._lookup_applied:  # a later lookup (e.g. one an event started) answered first
-            return
+            return True
         self._lookup_applied = lookup
         fresh = {w.registration.worker_id: w for w in reply.workers}
         for gone in set(self.workers) - set(fresh):
             self._forget(gone)
         self.workers, self._refreshed_at = fresh, time.monotonic()
         self._changed.set()
+        return True
 
     async def refresh_forever(self) -> None:
         while True:
@@ -106,8 +108,23 @@ class Directory:
             log.warning("ignored malformed worker event: %s", exc)
             return
         log.info("worker %s %s (%s)", event.worker_id, event.kind, event.reason)
-        if event.kind != "draining":  # still registered: the refresh below marks it
-            self._forget(event.worker_id)  # a left worker, or a re-registered one with new memory
         if event.kind == "left":
-            self.on_left(event.worker_id, event.reason)
+            await self._on_left(event)
+            return
+        if event.kind == "joined":  # a re-registered worker may come back with new memory
+            self._forget(event.worker_id)
         await self.refresh()
+
+    async def _on_left(self, event: WorkerEvent) -> None:
+        """Act on a departure only when the registry's own view agrees: a forged or stale "left"
+        for an instance the registry still lists changes nothing. When the registry cannot be
+        asked, the event is believed (a real departure matters more), as workers do."""
+        if await self.refresh() and self._lists(event):
+            log.warning("ignored a 'left' event for %s, which the registry lists as live", event.worker_id)
+            return
+        self._forget(event.worker_id)
+        self.on_left(event.worker_id, event.reason)
+
+    def _lists(self, event: WorkerEvent) -> bool:
+        worker = self.workers.get(event.worker_id)
+        return worker is not None and (not event.instance_id or worker.registration.instance_id == event.instance_id)
