@@ -217,3 +217,30 @@ def test_ignore_eos_runs_every_request_to_max_tokens(cluster):
                                                temperature=1.5, seed=seed, ignore_eos=True) for seed in range(8)))
     for reply in asyncio.run(run()):
         assert (len(reply.token_ids), reply.usage.completion_tokens, reply.finish_reason) == (64, 64, "length")
+
+
+def test_prompts_far_over_the_context_are_refused_untokenized_while_others_are_served(cluster):
+    """64 prompts at the character limit (each ~100k tokens) against a small request sent among
+    them: each huge one is refused by the cheap bound (no tokenizing on the router's loop), and
+    the small one is answered exactly as when it runs alone."""
+    huge = ("To be, or not to be, that is the question. " * 12_000)[:1 << 19]
+    small = dict(prompt="Good morrow, my lord.", max_tokens=8)
+
+    async def run():
+        async with await Bus.connect(cluster.nats_url, "test") as bus:
+            async def refused() -> BatonError:
+                with pytest.raises(BatonError) as info:
+                    await bus.request(subjects.GENERATE, GenerateRequest(prompt=huge, max_tokens=4), GenerateReply,
+                                      timeout=60)
+                return info.value
+            started = asyncio.get_running_loop().time()
+            *errors, reply = await asyncio.gather(*(refused() for _ in range(64)),
+                                                  bus.request(subjects.GENERATE, GenerateRequest(**small),
+                                                              GenerateReply, timeout=60))
+            print(f"64 huge prompts refused and one small request served in "
+                  f"{asyncio.get_running_loop().time() - started:.2f} s")
+            return errors, reply
+    errors, reply = asyncio.run(run())
+    assert {(e.code.value, "at least" in str(e)) for e in errors} == {("bad_request", True)}
+    alone = asyncio.run(generate(cluster.nats_url, **small))
+    assert (reply.token_ids, reply.text, reply.finish_reason) == (alone.token_ids, alone.text, alone.finish_reason)

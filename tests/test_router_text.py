@@ -6,6 +6,8 @@ import random
 import pytest
 
 from baton.services.router.text import REPLACEMENT, TextStream
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared.model.heldout import HELDOUT_TEXT
 from baton.shared.model.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.unit
@@ -170,3 +172,13 @@ def test_a_stop_token_is_reported_without_its_text(tok, seed):
             pieces.append(s.finish())
             assert got == ids[:-1] + [stop_id] and "".join(pieces) == tok.decode(ids[:-1])
             assert not any("<|endoftext|>" in p for p in pieces)
+
+
+def test_min_tokens_is_a_lower_bound_on_the_token_count():
+    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
+    text = HELDOUT_TEXT.read_text()[:20_000]
+    samples = [text[i:i + n] for i, n in ((0, 1), (7, 100), (500, 4000), (0, 20_000))]
+    samples += ["<|endoftext|>" * 50, "é" * 300, "🙂" * 200, " " * 1000, ""]
+    for s in samples:
+        assert tok.min_tokens(s) <= len(tok.encode(s)), s[:40]
+    assert tok.min_tokens("x" * 240_000) >= 240_000 // tok.max_token_bytes

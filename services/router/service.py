@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -30,6 +31,7 @@ from .text import TextStream
 
 log = logging.getLogger("baton.router")
 EARLY_CANCEL_KEEP_S = 30.0  # how long a cancel for a not-yet-seen request id is remembered
+TOKENIZE_THREADS = 2  # prompts tokenized at once; more wait their turn without holding the loop
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class Router:
         self.metrics = ServiceMetrics("router")
         self.admission = AdmissionQueue(self._decode_slots, config.max_queued, config.max_queue_s, self.metrics)
         self._tasks: list[asyncio.Task] = []
+        # tokenization runs here, off the event loop (the tokenizer releases the GIL meanwhile)
+        self._tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     async def start(self) -> None:
         self.metrics.serve_from_env()
@@ -68,12 +72,12 @@ class Router:
         self.admission.close()
         for flow in self.flows.values():
             flow.cancel("router shutting down")
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
 
     # --- handlers -------------------------------------------------------------------------
     def generate(self, req: GenerateRequest):
         """A streaming request gets an async generator of chunks, else a coroutine of one reply."""
-        prepared = self._prepare(req)
-        return self._stream(*prepared) if req.stream else self._unary(*prepared)
+        return self._stream(req) if req.stream else self._unary(req)
 
     async def cancel(self, req: CancelRequest) -> CancelReply:
         """Any router may receive the cancel; the one driving the request acts on it. A cancel
@@ -115,22 +119,31 @@ class Router:
             flow.worker_left(worker_id, reason)
 
     # --- generation -----------------------------------------------------------------------
-    def _prepare(self, req: GenerateRequest) -> tuple[GenerateRequest, str, list[int]]:
-        ids = self.tokenizer.encode(req.prompt) if req.prompt is not None else list(req.token_ids)
-        if req.prompt is not None and not ids:
-            raise bad_request("field 'prompt': encodes to no tokens")
+    async def _prepare(self, req: GenerateRequest) -> tuple[GenerateRequest, str, list[int]]:
+        if req.prompt is not None:
+            self._check_context(self.tokenizer.min_tokens(req.prompt), req.max_tokens, "at least ")
+            ids = await asyncio.get_running_loop().run_in_executor(self._tokenize, self.tokenizer.encode, req.prompt)
+            if not ids:
+                raise bad_request("field 'prompt': encodes to no tokens")
+        else:
+            ids = list(req.token_ids)
         vocab = self.model.vocab_size
         bad = next((t for t in ids + list(req.stop_token_ids) if t >= vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        context = self.model.max_position_embeddings
-        if len(ids) + req.max_tokens > context:
-            raise bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
-                              f"context of {context} tokens")  # a 400 over HTTP, as OpenAI-compatible servers
+        self._check_context(len(ids), req.max_tokens)
         request_id = req.request_id or uuid.uuid4().hex
         if request_id in self.flows:
             raise bad_request(f"request id {request_id} is already in flight")
         return req, request_id, ids
+
+    def _check_context(self, prompt_tokens: int, max_tokens: int, bound: str = "") -> None:
+        """A 400 over HTTP, as OpenAI-compatible servers answer. With `bound` "at least ", the count
+        is the tokenizer's cheap lower bound: a prompt far too long is refused before tokenizing."""
+        context = self.model.max_position_embeddings
+        if prompt_tokens + max_tokens > context:
+            raise bad_request(f"prompt ({bound}{prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                              f"context of {context} tokens")
 
     async def _open_flow(self, request_id: str, ids: list[int], max_tokens: int, sampling: SamplingParams) -> Flow:
         """What drives one request: a Flow through the cluster (the aggregated baseline overrides
@@ -198,7 +211,8 @@ class Router:
                            spec=SpecStats(**outcome.spec),
                            timing=Timing(ttft_ms=ttft if ttft is not None else total, total_ms=total))
 
-    async def _unary(self, req: GenerateRequest, request_id: str, ids: list[int]) -> GenerateReply:
+    async def _unary(self, req: GenerateRequest) -> GenerateReply:
+        req, request_id, ids = await self._prepare(req)
         tokens, pieces = [], []
         async for new_ids, value in self._run(req, request_id, ids):
             if new_ids == "done":
@@ -207,7 +221,8 @@ class Router:
             pieces.append(value)
         raise BatonError(ErrorCode.INTERNAL, f"request {request_id} ended without a summary")
 
-    async def _stream(self, req: GenerateRequest, request_id: str, ids: list[int]) -> AsyncIterator[StreamChunk]:
+    async def _stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        req, request_id, ids = await self._prepare(req)
         async for new_ids, value in self._run(req, request_id, ids):
             if new_ids == "done":
                 yield StreamChunk(request_id=request_id, token_ids=[], text="", finished=True, **value)

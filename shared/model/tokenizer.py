@@ -13,6 +13,8 @@ class TextTokenizer:
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
         self.eos_token_id = tokenizer.token_to_id(EOS_TOKEN)
+        # the most UTF-8 bytes one token stands for (special tokens by their literal text)
+        self.max_token_bytes = max(len(self.decode([i]).encode()) for i in range(self.vocab_size)) or 1
 
     @classmethod
     def load(cls, path: str | Path) -> "TextTokenizer":
@@ -21,8 +23,14 @@ class TextTokenizer:
             path = path / "tokenizer.json"
         return cls(Tokenizer.from_file(str(path)))
 
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), without tokenizing: every token covers at most
+        `max_token_bytes` bytes of the text."""
+        return -(-len(text.encode()) // self.max_token_bytes)
+
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        """Token ids of `text`; the batch call releases the GIL, so other threads run meanwhile."""
+        return self._tok.encode_batch([text])[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
