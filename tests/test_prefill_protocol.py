@@ -126,7 +126,7 @@ def test_target_that_does_not_fit_fails_only_its_request_and_frees(cluster, targ
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("token_ids", [[], [10**6]], ids=["empty", "outside-vocabulary"])
+@pytest.mark.parametrize("token_ids", [[], [10**6], [5] * 16_000], ids=["empty", "outside-vocabulary", "over-context"])
 def test_bad_prompt_is_refused_before_it_takes_slots(cluster, token_ids):
     async def run():
         async with await Bus.connect(cluster.nats_url, "test") as bus:

@@ -143,10 +143,13 @@ class PrefillWorker:
                              f"request {req.request_id} goes elsewhere")
         if req.request_id in self.jobs:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {req.request_id} is already dispatched here")
-        vocab = self.model.cfg.vocab_size
+        vocab, context = self.model.cfg.vocab_size, self.model.cfg.max_position_embeddings
         if not req.token_ids or max(req.token_ids) >= vocab:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {req.request_id}: a prompt needs 1+ token ids "
                              f"in 0..{vocab - 1}")
+        if len(req.token_ids) >= context:  # the router checks too; a dispatch from elsewhere must not hold the engine
+            raise BatonError(ErrorCode.BAD_REQUEST, f"request {req.request_id}: a prompt of {len(req.token_ids)} "
+                             f"tokens leaves no room in the model's context of {context}")
         job = Job(req, asyncio.get_running_loop().create_future())
         job.at.mark("received")
         self.jobs.add(job)
