@@ -2,8 +2,11 @@
 
 Children run as `python -m baton serve <role> ...`, so a process listing shows which is which.
 Ready means a request would succeed: the registry knows every worker and a warm-up request was
-answered; then one line with the NATS URL is printed. SIGINT/SIGTERM stop the children (router
-first, registry last), each with SIGTERM and a grace period, then the server.
+answered; then one line with the NATS URL is printed. A child that dies during start-up fails
+`baton up` at once (most likely a configuration error); from ready on, baton.supervisor restarts
+what exits. SIGINT/SIGTERM stop the children (router first, registry last), each with SIGTERM and
+a grace period, then the server. Every child, the server too, is killed by the kernel when
+`baton up` dies (PR_SET_PDEATHSIG), also on SIGKILL.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +28,8 @@ from baton.shared.bus import Bus
 from baton.shared.bus.auth import Credentials, new_client, new_service, server_config
 from baton.shared.bus.server import NatsServer
 from baton.shared.metrics import FILE_ENV, PORT_ENV
+from baton.shared.process import die_with_parent
+from baton.supervisor import Supervisor
 
 STATE_FILE = Path(os.environ.get("BATON_STATE", Path.home() / ".cache" / "baton" / "up.json"))
 
@@ -43,20 +49,32 @@ def client_options(url: str) -> dict:
 class Cluster:
     nats_url: str
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    commands: list[tuple[str, list[str]]] = field(default_factory=list)  # (role, args) of each child
     server: NatsServer | None = None
     log_dir: Path = Path(".")
     service: Credentials | None = None  # when this cluster's own server requires authentication
     client: Credentials | None = None
 
     def spawn(self, role: str, args: list[str], log_dir: Path) -> None:
-        name = f"{role}-{len(self.children)}"
-        log = open(log_dir / f"{name}.log", "wb")
+        self.commands.append((role, args))
+        self.children.append((role, self._popen(len(self.children), role, args, log_dir, "wb")))
+
+    def respawn(self, index: int) -> None:
+        """Start child `index` again with its command (a worker under a fresh id); same log file."""
+        role, args = self.commands[index]
+        self.children[index] = (role, self._popen(index, role, args, self.log_dir, "ab"))
+
+    def _popen(self, index: int, role: str, args: list[str], log_dir: Path, log_mode: str) -> subprocess.Popen:
+        name = f"{role}-{index}"
+        if role in ("prefill", "decode") and "--worker-id" not in args:  # never two instances of one id
+            args = ["--worker-id", f"{name}-{uuid.uuid4().hex[:6]}", *args]
         cmd = [sys.executable, "-m", "baton", "serve", role, "--nats-url", self.nats_url, *args]
         env = {**os.environ, PORT_ENV: "auto", FILE_ENV: str(log_dir / f"{name}.metrics.json")}
         if self.service is not None:
             env |= {"BATON_NATS_USER": self.service.user, "BATON_NATS_PASSWORD": self.service.password}
-        self.children.append((role, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                     start_new_session=True)))
+        with open(log_dir / f"{name}.log", log_mode) as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=die_with_parent())
 
     @property
     def metrics(self) -> list[dict]:
@@ -138,7 +156,7 @@ def start_cluster(args, worker_args: list[str], auth: bool = False) -> Cluster:
             config.chmod(0o600)
             config.write_text(server_config(service, [client]))
         server = NatsServer(port=getattr(args, "nats_port", None), store_dir=str(log_dir / "jetstream"),
-                            config_file=config).start()
+                            config_file=config, die_with_parent=True).start()
         url = server.url
     cluster = Cluster(url, server=server, log_dir=log_dir, service=service, client=client)
     model = ["--model", str(args.model)]
@@ -189,11 +207,12 @@ def run_up(args, worker_args: list[str]) -> int:
                                           "client": cluster.client.as_dict() if cluster.client else None}))
         print(f"baton ready: {cluster.nats_url} ({args.prefill} prefill, {args.decode} decode; "
               f"started in {time.monotonic() - t0:.1f} s, logs in {args.log_dir}){http}", flush=True)
+        supervisor = Supervisor.of(cluster)
         while not stop_now:
-            if cluster.dead():
-                print(f"baton: a service exited: {cluster.dead()}; see {args.log_dir}", file=sys.stderr, flush=True)
+            if reason := supervisor.check():
+                print(f"baton: {reason}; see {args.log_dir}", file=sys.stderr, flush=True)
                 return 1
-            time.sleep(0.5)
+            time.sleep(0.2)
         return 0
     except KeyboardInterrupt:
         return 0

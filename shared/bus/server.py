@@ -15,6 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from baton.shared import process
+
 
 class NatsServerError(RuntimeError):
     """The server binary is missing, or the server did not come up."""
@@ -38,13 +40,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 class NatsServer:
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, jetstream: bool = True,
                  store_dir: str | Path | None = None, config_file: str | Path | None = None,
-                 start_timeout_s: float = 10.0, stop_timeout_s: float = 5.0):
+                 start_timeout_s: float = 10.0, stop_timeout_s: float = 5.0, die_with_parent: bool = False):
         """`port=None` picks a free one; `store_dir=None` uses a temporary JetStream store that
-        is deleted on stop; `config_file` is passed with -c (command-line flags win)."""
+        is deleted on stop; `config_file` is passed with -c (command-line flags win); with
+        `die_with_parent` the server is killed when this process dies (start it from the main thread)."""
         self.host, self.port = host, port
         self._fixed_port = port is not None
         self._jetstream, self._store_dir, self._config_file = jetstream, store_dir, config_file
         self._start_timeout_s, self._stop_timeout_s = start_timeout_s, stop_timeout_s
+        self._die_with_parent = die_with_parent
         self._process: subprocess.Popen | None = None
         self._log = None
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -64,6 +68,20 @@ class NatsServer:
             self.stop()
             raise
         return self
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        """None while the server runs, else its exit status."""
+        return self._process.poll() if self._process is not None else -1
+
+    def restart(self) -> None:
+        """A fresh server on the same port and store (after it died); raises NatsServerError."""
+        self._terminate()
+        self._launch(find_nats_server())
 
     def stop(self) -> None:
         self._terminate()
@@ -89,8 +107,8 @@ class NatsServer:
         if self._jetstream:
             command += ["-js", "-sd", str(self._store_dir or self._tmp.name)]
         self._log = tempfile.TemporaryFile()
-        self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+        self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=process.die_with_parent() if self._die_with_parent else None)
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:

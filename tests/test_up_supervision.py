@@ -1,0 +1,202 @@
+"""`baton up` as a user runs it, supervising its children: a decode killed -9 under load is restarted
+while the other keeps serving (replies exact); a crash loop is given up on with a clear message;
+SIGKILL of `baton up` leaves no process behind, the nats-server included."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from baton.proto import subjects
+from baton.proto.errors import BatonError
+from baton.proto.public import GenerateReply, GenerateRequest
+from baton.shared.bus import Bus
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared.model.heldout import heldout_prompts
+from baton.shared.model.tokenizer import TextTokenizer
+from e2e_cluster import print_logs, worker_loads
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+WORKER_FLAGS = ["--threads", "1", "--num-pages", "512", "--num-slots", "16"]
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen
+    log_dir: Path
+    lines: queue.Queue
+    output: list[str] = field(default_factory=list)
+    nats_url: str = ""
+
+    def wait_for(self, pattern: str, timeout_s: float) -> str:
+        """The first line of `baton up`'s output from now on that matches `pattern`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} within {timeout_s:g} s: {self.output}")
+            self.output.append(line)
+            if re.search(pattern, line):
+                return line
+
+    def read_all(self) -> str:
+        """Everything it printed, once it exited."""
+        self.proc.wait(60)
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.output.append(self.lines.get(timeout=5))
+        return "".join(self.output)
+
+
+@contextlib.contextmanager
+def baton_up(tmp: Path, *flags: str):
+    env = {**os.environ, "BATON_STATE": str(tmp / "up.json")}
+    proc = subprocess.Popen([sys.executable, "-m", "baton", "up", "--no-auth", "--log-dir", str(tmp / "logs"),
+                             *WORKER_FLAGS, *flags], env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    up = Up(proc, tmp / "logs", lines)
+    try:
+        up.nats_url = re.search(r"baton ready: (\S+)", up.wait_for("^baton ready:", 300)).group(1)
+        yield up
+    except BaseException:
+        print("".join(up.output))
+        print_logs(str(up.log_dir))
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def children(pid: int) -> dict[int, str]:
+    """Live child processes of `pid`: pid -> command line."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+            if entry.name.isdigit() and int(ppid) == pid and state != "Z":
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s:g} s"
+        time.sleep(0.05)
+
+
+def prompts(count: int) -> list[list[int]]:
+    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
+    return [heldout_prompts(tok, 1, 40, seed=seed)[0] for seed in range(count)]
+
+
+async def answer(bus: Bus, prompt: list[int], max_tokens: int):
+    """(token ids, text, finish reason), or the BatonError."""
+    try:
+        reply = await bus.request(subjects.GENERATE, GenerateRequest(token_ids=prompt, max_tokens=max_tokens),
+                                  GenerateReply, timeout=180)
+    except BatonError as exc:
+        return exc
+    return reply.token_ids, reply.text, reply.finish_reason
+
+
+async def decodes(url: str) -> dict[str, tuple]:
+    return {wid: load for wid, load in (await worker_loads(url)).items() if load[0] == "decode"}
+
+
+async def wait_async(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (result := await condition()):
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s:g} s"
+        await asyncio.sleep(0.2)
+    return result
+
+
+def test_one_of_two_decodes_killed_is_restarted_and_no_request_is_lost(tmp_path):
+    with baton_up(tmp_path, "--decode", "2") as up:
+        async def run():
+            async with await Bus.connect(up.nats_url, "test") as bus:
+                batch = prompts(8)
+                before = await asyncio.gather(*(answer(bus, p, 200) for p in batch))
+                assert all(isinstance(r, tuple) for r in before), before
+                old = set(await decodes(up.nats_url))
+                during = [asyncio.create_task(answer(bus, p, 200)) for p in batch]
+                await wait_async(lambda: _all_active(up.nats_url), 60, "both decodes decoding")
+                os.kill(next(pid for pid, cmd in children(up.proc.pid).items() if "serve decode" in cmd), signal.SIGKILL)
+                started = time.monotonic()
+                assert await asyncio.gather(*during) == before  # whole replies, finish reasons too
+                await wait_async(lambda: _replaced(up.nats_url, old), 90, "the killed decode registered again")
+                print(f"the killed decode was back {time.monotonic() - started:.1f} s after the kill")
+                assert await asyncio.gather(*(answer(bus, p, 200) for p in batch)) == before
+        asyncio.run(run())
+        assert up.proc.poll() is None
+        slot = up.wait_for(r"decode-\d exited \(signal SIGKILL\); restarting in 0.5 s", 5).split()[1]
+        up.wait_for(f"{slot} restarted", 5)
+
+
+async def _all_active(url: str) -> bool:
+    return all(load[5] > 0 for load in (await decodes(url)).values())
+
+
+async def _replaced(url: str, old: set[str]) -> bool:
+    """One of the `old` decode ids is gone and a new one took its place."""
+    now = set(await decodes(url))
+    return len(now) == 2 and len(now & old) == 1
+
+
+def test_sigkill_of_baton_up_leaves_no_process(tmp_path):
+    with baton_up(tmp_path) as up:
+        kids = children(up.proc.pid)
+        assert any("nats-server" in cmd for cmd in kids.values()), kids
+        assert sum("baton serve" in cmd for cmd in kids.values()) == 4, kids
+        os.kill(up.proc.pid, signal.SIGKILL)
+        wait_until(lambda: not any(alive(pid) for pid in kids), 30, f"every child of baton up gone: {kids}")
+
+
+def test_a_service_crashing_in_a_loop_is_given_up_on(tmp_path):
+    with baton_up(tmp_path) as up:  # the only decode, killed each time it comes back
+        seen, killed = {}, set()
+        deadline = time.monotonic() + 240
+        while up.proc.poll() is None:
+            assert time.monotonic() < deadline, f"baton up still running after {len(killed)} kills"
+            seen |= children(up.proc.pid)
+            for pid, cmd in seen.items():
+                if "serve decode" in cmd and pid not in killed:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+            assert len(killed) <= 6, "still restarting after its 6th exit"
+            time.sleep(0.05)
+        output = up.read_all()
+        assert up.proc.returncode == 1, output
+        assert len(killed) == 6, killed
+        assert "giving up on decode-2: it exited 6 times within 60 s (last: signal SIGKILL)" in output, output
+        assert "no decode left (given up on)" in output, output
+        wait_until(lambda: not any(alive(pid) for pid in seen), 30, f"every child of baton up gone: {seen}")
