@@ -1,8 +1,8 @@
 """What `baton up` does after start-up: restart what exits, with back-off, and give up on a crash loop.
 
 A service that exits is started again after 0.5 s, 1 s, 2 s, ... (at most 8 s); a worker comes
-back under a fresh worker id, so the registry never sees two instances of one id (the dead one's
-entry leaves with its lease). After its 6th exit within 60 s a service is given up on. `baton up`
+back under a fresh worker id, so the registry never sees two instances of one id, and the dead
+one is deregistered at once (routers and peers stop using it before its lease would run out). After its 6th exit within 60 s a service is given up on. `baton up`
 keeps serving while every role still has a process and exits 1 once one has none left (nothing
 could serve a request) or its own NATS server cannot be kept alive.
 """
@@ -36,6 +36,7 @@ class Supervised:
     exit_code: Callable[[], int | None]  # None while it runs
     restart: Callable[[], None]
     log: str  # "; see PATH", or empty
+    on_exit: Callable[[], None] = lambda: None
     exits: list[float] = field(default_factory=list)  # unexpected exits within the crash window
     restart_at: float | None = None
     given_up: bool = False
@@ -47,6 +48,7 @@ class Supervised:
         if self.restart_at is None:
             code = self.exit_code()
             if code is not None:
+                self.on_exit()
                 self._exited(now, describe(code))
         elif now >= self.restart_at:
             self.restart_at = None
@@ -94,4 +96,5 @@ class Supervisor:
 def _child(cluster, index: int) -> Supervised:
     role = cluster.children[index][0]
     return Supervised(f"{role}-{index}", role, lambda: cluster.children[index][1].poll(),
-                      lambda: cluster.respawn(index), f"; see {cluster.log_dir / f'{role}-{index}.log'}")
+                      lambda: cluster.respawn(index), f"; see {cluster.log_dir / f'{role}-{index}.log'}",
+                      lambda: cluster.forget(index))

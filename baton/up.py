@@ -50,6 +50,7 @@ class Cluster:
     nats_url: str
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     commands: list[tuple[str, list[str]]] = field(default_factory=list)  # (role, args) of each child
+    worker_ids: dict[int, str] = field(default_factory=dict)  # child index -> the id its current start got
     server: NatsServer | None = None
     log_dir: Path = Path(".")
     service: Credentials | None = None  # when this cluster's own server requires authentication
@@ -67,7 +68,8 @@ class Cluster:
     def _popen(self, index: int, role: str, args: list[str], log_dir: Path, log_mode: str) -> subprocess.Popen:
         name = f"{role}-{index}"
         if role in ("prefill", "decode") and "--worker-id" not in args:  # never two instances of one id
-            args = ["--worker-id", f"{name}-{uuid.uuid4().hex[:6]}", *args]
+            self.worker_ids[index] = f"{name}-{uuid.uuid4().hex[:6]}"
+            args = ["--worker-id", self.worker_ids[index], *args]
         cmd = [sys.executable, "-m", "baton", "serve", role, "--nats-url", self.nats_url, *args]
         env = {**os.environ, PORT_ENV: "auto", FILE_ENV: str(log_dir / f"{name}.metrics.json")}
         if self.service is not None:
@@ -75,6 +77,12 @@ class Cluster:
         with open(log_dir / f"{name}.log", log_mode) as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     preexec_fn=die_with_parent())
+
+    def forget(self, index: int) -> None:
+        """Deregister the worker child `index` ran (it exited), so routers and peers stop using it
+        now, not when its lease runs out. Its id was this start's alone: no live instance is touched."""
+        if index in self.worker_ids:
+            asyncio.run(forget_worker(self.nats_url, self.worker_ids[index], self.service))
 
     @property
     def metrics(self) -> list[dict]:
@@ -108,6 +116,21 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+
+
+async def forget_worker(url: str, worker_id: str, service: Credentials | None, timeout_s: float = 5.0) -> None:
+    from baton.proto.internal import Ack, Deregistration, LookupReply, LookupRequest
+
+    async def deregister() -> None:
+        async with await Bus.connect(url, "baton-up", **(service.connect_options() if service else {})) as bus:
+            reply = await bus.request(subjects.LOOKUP, LookupRequest(worker_id=worker_id), LookupReply, timeout=2.0)
+            for worker in reply.workers:
+                await bus.request(subjects.DEREGISTER, Deregistration(
+                    worker_id=worker_id, instance_id=worker.registration.instance_id, reason="exited"), Ack, timeout=2.0)
+    try:
+        await asyncio.wait_for(deregister(), timeout_s)
+    except (BatonError, OSError, asyncio.TimeoutError) as exc:  # its lease runs out instead
+        print(f"baton: could not deregister {worker_id}: {exc}", file=sys.stderr, flush=True)
 
 
 async def wait_ready(url: str, cluster: Cluster, prefill: int, decode: int, timeout_s: float,

@@ -153,7 +153,7 @@ def test_one_of_two_decodes_killed_is_restarted_and_no_request_is_lost(tmp_path)
                 os.kill(next(pid for pid, cmd in children(up.proc.pid).items() if "serve decode" in cmd), signal.SIGKILL)
                 started = time.monotonic()
                 assert await asyncio.gather(*during) == before  # whole replies, finish reasons too
-                await wait_async(lambda: _replaced(up.nats_url, old), 90, "the killed decode registered again")
+                await wait_async(lambda: _replaced(up.nats_url, old), 60, "the killed decode registered again")
                 print(f"the killed decode was back {time.monotonic() - started:.1f} s after the kill")
                 assert await asyncio.gather(*(answer(bus, p, 200) for p in batch)) == before
         asyncio.run(run())
