@@ -119,6 +119,7 @@ class Cluster:
 
 
 async def forget_worker(url: str, worker_id: str, service: Credentials | None, timeout_s: float = 5.0) -> None:
+    """Deregister every registered instance of `worker_id`; a failure is printed, not raised."""
     from baton.proto.internal import Ack, Deregistration, LookupReply, LookupRequest
 
     async def deregister() -> None:

@@ -178,7 +178,11 @@ def test_sigkill_of_baton_up_leaves_no_process(tmp_path):
         assert any("nats-server" in cmd for cmd in kids.values()), kids
         assert sum("baton serve" in cmd for cmd in kids.values()) == 4, kids
         os.kill(up.proc.pid, signal.SIGKILL)
-        wait_until(lambda: not any(alive(pid) for pid in kids), 30, f"every child of baton up gone: {kids}")
+        try:
+            wait_until(lambda: not any(alive(pid) for pid in kids), 30, f"every child of baton up gone: {kids}")
+        finally:  # what a failure left behind
+            for pid in filter(alive, kids):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_service_crashing_in_a_loop_is_given_up_on(tmp_path):
