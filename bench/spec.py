@@ -266,7 +266,7 @@ def main() -> None:
     model = load_model(args.model)
     tok = TextTokenizer.load(args.model)
     prompts = heldout_prompts(tok, args.prompts, args.prompt_len, seed=11)
-    result: dict = {"args": vars(args) | {"json": str(args.json)}, "engine": {}}
+    result: dict = {"args": vars(args) | {"json": str(args.json), "model": str(args.model)}, "engine": {}}
     specs = {"off": SpecConfig(enabled=False), **{m: SpecConfig(True, args.k, m) for m in MODES}}
     for _ in range(args.repeats):  # interleaved, best of N: these machines are noisy
         for name, spec in specs.items():
