@@ -53,6 +53,9 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("OpenAI-compatible HTTP frontend ([http] in the config)")
     g.add_argument("--http-host", help="bind address (default 127.0.0.1)")
     g.add_argument("--http-port", type=int, help="port (default 8000)")
+    g.add_argument("--api-key", help="clients must send 'Authorization: Bearer KEY' (safer: $BATON_HTTP_API_KEY, "
+                                     "which `ps` does not show)")
+    g.add_argument("--api-key-file", help="file of accepted API keys, one per line")
 
 
 def worker_argv(args) -> list[str]:
@@ -198,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         if args.config is not None:  # the children read the same file
             os.environ[configuration.CONFIG_ENV] = str(args.config.resolve())
+        for dotted in ("http.api_key", "http.api_key_file"):  # to the frontend child, never on its command line
+            if cfg.get(dotted):
+                os.environ[configuration.env_name(dotted)] = cfg.get(dotted)
         from baton.up import run_up
         return run_up(args, worker_argv(args))
     if args.command == "serve":

@@ -129,6 +129,10 @@ class HttpSection:
     default_max_tokens: int = key(256, "max_tokens for a chat request that gives none (completions: 16, as OpenAI)",
                                   between(1))
     max_body_bytes: int = key(8 << 20, "largest request body; larger gets 413", between(1024))
+    api_key: str = key("", "a client must send `Authorization: Bearer <key>` (all routes but /health); empty: "
+                           "no key needed unless api_key_file gives some", secret=True, flag="--api-key")
+    api_key_file: str = key("", "file of further accepted keys, one per line (blank and # lines skipped)",
+                            flag="--api-key-file")
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,22 @@ class Config:
     @property
     def model_name(self) -> str:
         return self.model.name or Path(self.model.path).name
+
+    def http_api_keys(self) -> tuple[str, ...]:
+        """Every key the HTTP frontend accepts (none: it asks for none). Raises ConfigError."""
+        keys = [self.http.api_key] if self.http.api_key else []
+        if self.http.api_key_file:
+            try:
+                lines = Path(self.http.api_key_file).read_text().splitlines()
+            except OSError as exc:
+                raise ConfigError(f"http.api_key_file: {self.http.api_key_file}: {exc.strerror} "
+                                  f"(from {self.source('http.api_key_file')})") from None
+            file_keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+            if not file_keys:
+                raise ConfigError(f"http.api_key_file: {self.http.api_key_file} holds no key "
+                                  f"(from {self.source('http.api_key_file')})")
+            keys += file_keys
+        return tuple(keys)
 
     def nats_options(self) -> dict[str, Any]:
         """Keyword arguments for `Bus.connect` (empty values left out)."""
@@ -340,6 +360,7 @@ def _build(values: dict[str, Any], sources: dict[str, str]) -> Config:
         raise ConfigError(f"nats.user: must be set when nats.password is (from {config.source('nats.password')})")
     if not Path(config.model.path).is_dir():
         raise ConfigError(f"model.path: no such directory: {config.model.path} (from {config.source('model.path')})")
+    config.http_api_keys()  # a key file that cannot be read, or is empty, stops the start (fail closed)
     return config
 
 

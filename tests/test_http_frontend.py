@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 
 import aiohttp
 import openai
@@ -216,3 +217,89 @@ def test_a_client_that_leaves_mid_stream_cancels_the_request(nats_server):
                 await asyncio.sleep(0.05)
             assert router.cancelled == [router.requests[0].request_id]
     asyncio.run(run())
+
+
+KEYS = ("sk-flag-3b9f1c", "sk-file-one-77d2", "sk-file-two-e4a0")
+
+
+def key_file(tmp_path) -> str:
+    path = tmp_path / "keys"
+    path.write_text(f"# accepted keys\n{KEYS[1]}\n\n  {KEYS[2]}  \n")
+    return str(path)
+
+
+def test_api_keys_guard_every_route_but_health(nats_server, tmp_path):
+    async def run():
+        async with frontend(nats_server, ScriptedRouter(), api_key=KEYS[0], api_key_file=key_file(tmp_path)) as (
+                base, wrong_client):
+            async with aiohttp.ClientSession() as http:
+                for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                                     ("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL}"), ("GET", "/metrics")):
+                    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEYS[0]}):
+                        async with http.request(method, base + path, json={"prompt": "echo"}, headers=headers) as resp:
+                            error = (await resp.json())["error"]
+                            assert (resp.status, error["code"], error["type"]) == \
+                                (401, "invalid_api_key", "invalid_request_error"), (path, headers)
+                async with http.get(f"{base}/health") as resp:
+                    assert resp.status == 200
+            with pytest.raises(openai.AuthenticationError) as exc:
+                await wrong_client.completions.create(model=MODEL, prompt="echo")
+            assert exc.value.status_code == 401 and exc.value.body["code"] == "invalid_api_key"
+            for key in KEYS:
+                client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=30)
+                done = await client.completions.create(model=MODEL, prompt="echo", max_tokens=3)
+                assert (done.choices[0].text, done.choices[0].finish_reason) == ("a b c", "length")
+                chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "echo"}])
+                assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == ("a b c", "length")
+                chunks = [c async for c in await client.completions.create(model=MODEL, prompt="echo", stream=True)]
+                assert [(c.choices[0].text, c.choices[0].finish_reason) for c in chunks] == \
+                    [(" t0", None), (" t1", None), (" t2", None), ("", "length")]
+                chunks = [c async for c in await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "echo"}], stream=True)]
+                assert "".join(c.choices[0].delta.content or "" for c in chunks) == " t0 t1 t2"
+                assert chunks[-1].choices[0].finish_reason == "length"
+                assert [m.id for m in (await client.models.list()).data] == [MODEL]
+    asyncio.run(run())
+
+
+def test_api_keys_appear_in_no_log_and_no_config_dump(nats_server, tmp_path, caplog, capsys):
+    from baton import cli
+    from baton.shared.bus.server import free_port
+
+    async def run():
+        cfg = config.load(env={"BATON_HTTP_API_KEY": KEYS[0], "BATON_HTTP_API_KEY_FILE": key_file(tmp_path),
+                               "BATON_HTTP_PORT": str(free_port())})
+        base = f"http://127.0.0.1:{cfg.http.port}"
+        router_bus = await ScriptedRouter().start(nats_server)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(server.serve(stop, await Bus.connect(nats_server, "test-http"), cfg))
+        async with aiohttp.ClientSession() as http:
+            async with asyncio.timeout(30):
+                while "API keys accepted" not in caplog.text:
+                    await asyncio.sleep(0.05)
+            for key in (*KEYS, "sk-wrong-but-secret"):
+                async with http.post(f"{base}/v1/completions", json={"prompt": "echo", "stream": True},
+                                     headers={"Authorization": f"Bearer {key}"}) as resp:
+                    assert resp.status == (401 if key not in KEYS else 200)
+                    assert key not in await resp.text()
+        stop.set()
+        await asyncio.wait_for(serving, 30)
+        await router_bus.close()
+        return cfg
+
+    caplog.set_level(logging.DEBUG)
+    cfg = asyncio.run(run())
+    assert "3 API keys accepted" in caplog.text
+    assert cli.main(["config", "show", "--api-key", KEYS[0]]) == 0
+    assert cli.main(["config", "show", "--json", "--api-key", KEYS[0]]) == 0
+    dumps = capsys.readouterr().out + config.to_toml(cfg) + json.dumps(config.as_dict(cfg))
+    assert 'api_key = "***"' in dumps
+    for key in (*KEYS, "sk-wrong-but-secret"):
+        assert key not in caplog.text and key not in dumps
+
+
+def test_an_unreadable_or_empty_key_file_stops_the_start(tmp_path):
+    (tmp_path / "empty").write_text("# no keys yet\n\n")
+    for path, problem in ((tmp_path / "empty", "holds no key"), (tmp_path / "missing", "No such file")):
+        with pytest.raises(config.ConfigError, match=f"http.api_key_file: .*{problem}"):
+            config.load(env={"BATON_HTTP_API_KEY_FILE": str(path)})

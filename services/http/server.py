@@ -4,6 +4,9 @@
     GET  /v1/models              GET  /v1/models/{model}
     GET  /health                 GET  /metrics                  (Prometheus)
 
+With API keys configured (`http.api_key`, `http.api_key_file`), every route but /health needs
+`Authorization: Bearer <key>`; the keys are compared in constant time and never logged.
+
 It is a client of the public NATS API and nothing more: each HTTP request becomes one
 `baton.v1.generate` (text prompt or token ids; chat messages rendered by `api.render_chat`), the
 reply or the stream of chunks becomes OpenAI JSON / server-sent events, and Baton error codes
@@ -17,6 +20,7 @@ after that arrives as an SSE event `{"error": {...}}`, as vLLM and OpenAI send i
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
@@ -64,11 +68,12 @@ class Frontend:
         self.model = cfg.model_name
         self.created = int(time.time())
         self.metrics = Metrics()
+        self.api_keys = [k.encode() for k in cfg.http_api_keys()]
         self._router_seen = 0.0  # monotonic time a router last answered the health probe
         self._background: set[asyncio.Task] = set()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.http.max_body_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.cfg.http.max_body_bytes, middlewares=[self._errors, self._auth])
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
@@ -211,6 +216,17 @@ class Frontend:
             raise api.bad(f"the request body is not valid JSON: {exc}") from None
 
     @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.api_keys and request.path != "/health":
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not given.strip():
+                raise _unauthorized("no API key: send 'Authorization: Bearer <key>'")
+            given = given.strip().encode()
+            if not any([hmac.compare_digest(given, k) for k in self.api_keys]):  # every key: constant time
+                raise _unauthorized("incorrect API key")
+        return await handler(request)
+
+    @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
         try:
@@ -223,6 +239,10 @@ class Frontend:
             response = _error(api.HttpError(exc.status, exc.reason, code=None))
         self.metrics.requests.labels(route, str(response.status if response is not None else 499)).inc()
         return response
+
+
+def _unauthorized(message: str) -> api.HttpError:
+    return api.HttpError(401, message, code="invalid_api_key")
 
 
 def _error(exc: api.HttpError) -> web.Response:
@@ -249,7 +269,9 @@ async def start(bus: Bus, cfg: Config, port: int | None = None) -> tuple[web.App
 
 async def serve(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
     runner, frontend, port = await start(bus, cfg)
-    log.info("OpenAI-compatible API on http://%s:%d/v1 (model %s)", cfg.http.host, port, frontend.model)
+    keys = len(frontend.api_keys)
+    log.info("OpenAI-compatible API on http://%s:%d/v1 (model %s; %s)", cfg.http.host, port, frontend.model,
+             f"{keys} API key{'s' if keys > 1 else ''} accepted" if keys else "no API key needed")
     await stop.wait()
     await runner.cleanup()  # stop accepting, let running requests finish (up to shutdown_timeout)
     await frontend.wait_background()
