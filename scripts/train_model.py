@@ -14,7 +14,7 @@ Stages (seeded; the target stage runs for a time budget, so its step count depen
      distribution wherever greedy decoding can reach it. Step-based (--mtp-steps), so the draft
      stage is reproducible up to thread scheduling; it can run alone on top of a trained target:
 
-    python scripts/train_model.py --init-from models/baton-tiny --target-minutes 0 --mtp-steps 600
+    python scripts/train_model.py --init-from models/baton-tiny --target-minutes 0
 """
 from __future__ import annotations
 
@@ -217,9 +217,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "models" / "baton-tiny")
     ap.add_argument("--cache", type=Path, default=ROOT / "data")
     ap.add_argument("--target-minutes", type=float, default=12.0)
-    ap.add_argument("--mtp-steps", type=int, default=600)
+    ap.add_argument("--mtp-steps", type=int, default=320)
     ap.add_argument("--mtp-depth", type=int, default=4, help="draft levels unrolled in training (training-time test)")
-    ap.add_argument("--distill", type=int, default=1024, help="self-distilled sequences the MTP layer trains on")
+    ap.add_argument("--distill", type=int, default=1536, help="self-distilled sequences the MTP layer trains on")
     ap.add_argument("--data-fraction", type=float, default=0.25, help="share of each MTP batch that is plain text")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
