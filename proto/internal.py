@@ -28,9 +28,12 @@ class SamplingParams:
     seed: Seed | None = None
     stop_token_ids: list[TokenId] = field(default_factory=list)
     draft_tokens: int | None = None  # GenerateRequest.draft_tokens: a cap on the deployment's K
+    min_tokens: int = 0  # GenerateRequest.min_tokens: stop tokens among the first this many do not stop
 
     def validate(self, limits: Limits) -> None:
         check_sampling(self.temperature, self.top_p)
+        if self.min_tokens < 0:
+            raise bad_request(f"field 'min_tokens': must be >= 0, got {self.min_tokens}")
         check_draft_tokens(self.draft_tokens)
 
 

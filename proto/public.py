@@ -24,6 +24,7 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[TokenId] = field(default_factory=list)
     ignore_eos: bool = False  # generate past the end-of-text token (to max_tokens or another stop)
+    min_tokens: int = 0  # 0 .. max_tokens: no stop token or stop string ends the request before this many tokens
     request_id: RequestId | None = None  # chosen by the client so it can cancel; else the router picks
 
     def validate(self, limits: Limits) -> None:
@@ -40,6 +41,9 @@ class GenerateRequest:
                              f"field 'token_ids': {prompt_size} tokens; the limit is {limits.max_prompt_tokens}")
         if not 1 <= self.max_tokens <= limits.max_tokens:
             raise bad_request(f"field 'max_tokens': must be between 1 and {limits.max_tokens}, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad_request(f"field 'min_tokens': must be between 0 and max_tokens ({self.max_tokens}), "
+                              f"got {self.min_tokens}")
         check_sampling(self.temperature, self.top_p)
         check_draft_tokens(self.draft_tokens)
         if len(self.stop) > limits.max_stop or len(self.stop_token_ids) > limits.max_stop:

@@ -15,6 +15,7 @@ from baton.services.aggregated.engine import AggregatedConfig
 from baton.services.aggregated.service import close_service, open_service
 from baton.shared.bus import Bus, NatsServer
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared.model.tokenizer import TextTokenizer
 from e2e_cluster import Reference, window_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -244,3 +245,30 @@ def test_serve_entry_takes_serve_options_and_stops_cleanly(nats_url):
             await client.close()
     reply, closed = asyncio.run(run())
     assert reply.usage.completion_tokens == 64 and reply.spec.verify_steps == 0 and closed
+
+
+def test_min_tokens_passes_early_stop_tokens_and_stop_strings(nats_url):
+    """Through the router's handling: a stop token among the first min_tokens is generated past
+    (kept in token_ids, no text), the next one stops; a stop string inside them is not matched."""
+    prompt = "To be, or not to be"
+
+    async def run():
+        async with aggregated(nats_url) as (client, engine):
+            def ask(**fields):
+                return client.request(subjects.GENERATE, GenerateRequest(prompt=prompt, max_tokens=24, **fields),
+                                      GenerateReply, timeout=120)
+            free = await ask()
+            by_token = await ask(stop_token_ids=[free.token_ids[0]], min_tokens=1)
+            by_text = await ask(stop=[free.text[:3]], min_tokens=24)
+            streamed = await stream(client, prompt=prompt, max_tokens=24, stop=[free.text[:3]], min_tokens=24)
+            await asyncio.sleep(0.1)
+            assert_all_free(engine)
+            return free, by_token, by_text, streamed
+    free, by_token, by_text, (ids, text, last) = asyncio.run(run())
+    stop_id, tok = free.token_ids[0], TextTokenizer.load(DEFAULT_MODEL_DIR)
+    end = next((j + 1 for j, t in enumerate(free.token_ids) if t == stop_id and j > 0), None)
+    want = free.token_ids[:end]
+    assert (by_token.token_ids, by_token.finish_reason) == (want, "stop" if end else free.finish_reason)
+    assert by_token.text == tok.decode([t for t in want if t not in (stop_id, tok.eos_token_id)])
+    assert (by_text.token_ids, by_text.text, by_text.finish_reason) == (free.token_ids, free.text, free.finish_reason)
+    assert (ids, text, last.finish_reason) == (free.token_ids, free.text, free.finish_reason)

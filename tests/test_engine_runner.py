@@ -38,14 +38,14 @@ def dense_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def run_aggregated(model, spec: SpecConfig, prompts, max_tokens: int, mode: str = "ring", stop=(), caps=None,
-                   params=SamplingParams(), seed: int = 0, pages: int = 200, slots: int = 8):
+                   params=SamplingParams(), seed: int = 0, pages: int = 200, slots: int = 8, min_tokens: int = 0):
     """caps: each sequence's draft_tokens (None: all use the deployment's K); sampled sequences
     get seeds seed, seed+1, ..."""
     engine = LocalEngine(model, spec, LocalCapacity(num_pages=pages, page_size=4, num_slots=slots, mode=mode),
                          prefill_chunk=5)
     caps = caps or [None] * len(prompts)
     seqs = engine.run([Sequence(f"r{i}", p, max_tokens, replace(params, seed=seed + i) if not params.greedy else params,
-                                stop_token_ids=frozenset(stop), draft_tokens=cap)
+                                stop_token_ids=frozenset(stop), draft_tokens=cap, min_tokens=min_tokens)
                        for i, (p, cap) in enumerate(zip(prompts, caps))])
     engine.store.check_integrity()
     free = engine.store.free_capacity()
@@ -86,6 +86,19 @@ def test_first_token_can_finish_a_request(model):
     for stop in ([], ref):
         [s] = run_aggregated(model, SpecConfig(True, 3, "transfer"), [PROMPTS[0]], 1 if not stop else 5, stop=stop)
         assert s.output == ref and s.finish_reason == ("stop" if stop else "length")
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(enabled=False), SpecConfig(True, 3, "transfer"),
+                                  SpecConfig(True, 5, "rebuild")], ids=["off", "k3", "k5"])
+def test_min_tokens_generates_past_stop_tokens_exactly(model, spec):
+    """A stop token among the first min_tokens is generated past (it stays in the output), the
+    first one after them stops the request; greedy output is the same with speculation on and off."""
+    ref = dense_greedy(model, PROMPTS[2], 16)
+    stop = ref[0]
+    for min_tokens in (0, 1, 3, 16):
+        end = next((j + 1 for j, t in enumerate(ref) if t == stop and j + 1 > min_tokens), None)
+        [s] = run_aggregated(model, spec, [PROMPTS[2]], 16, stop=[stop], min_tokens=min_tokens)
+        assert (s.output, s.finish_reason) == ((ref[:end], "stop") if end else (ref, "length")), min_tokens
 
 
 def test_transfer_and_rebuild_accept_identically(model):

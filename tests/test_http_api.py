@@ -59,6 +59,8 @@ def test_chat_template_is_a_play_script():
     ({"prompt": "x", "best_of": 3}, "best_of", 400),
     ({"prompt": "x", "ignore_eos": True}, None, None),  # vLLM's extension, supported (aiperf sends it)
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos", 400),
+    ({"prompt": "x", "min_tokens": 4}, None, None),  # vLLM's extension; 0..max_tokens is the router's check
+    ({"prompt": "x", "min_tokens": 1.5}, "min_tokens", 400),
     ({"prompt": "x", "max_tokens": "10"}, "max_tokens", 400),
     ({"prompt": "x", "max_tokens": True}, "max_tokens", 400),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", 400),

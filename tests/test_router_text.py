@@ -89,6 +89,36 @@ def test_stop_string_cuts_the_text(tok, seed):
         assert got == sum(split[:upto], [])  # up to the chunk that completed the stop string
 
 
+def first_stop_after(tok, ids: list[int], stop: str, min_tokens: int) -> int | None:
+    """Where the first `stop` that ends in the text of a token after the first min_tokens begins."""
+    text, floor = tok.decode(ids), len(tok.decode(ids[:min_tokens]).removesuffix(REPLACEMENT))
+    return next((i for i in range(len(text)) if text.startswith(stop, i) and i + len(stop) > floor), None)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_min_tokens_delays_stop_strings_whatever_the_chunks(tok, seed):
+    """A stop string that ends in the text of the first min_tokens tokens is not matched; the first
+    one ending later cuts the text; the outcome does not depend on how tokens come in chunks."""
+    rng = random.Random(seed)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        start = rng.randrange(len(text) - 1)
+        stop, min_tokens = text[start:start + rng.randint(1, 3)], rng.randrange(len(ids) + 1)
+        cut = first_stop_after(tok, ids, stop, min_tokens)
+        for split in (chunks(ids, rng), [ids], [[t] for t in ids]):
+            s, pieces = TextStream(tok, [stop], min_tokens=min_tokens), []
+            pieces = [s.add(chunk)[1] for chunk in split] + [s.finish()]
+            assert (s.stopped, "".join(pieces)) == (cut is not None, text[:cut]), (stop, min_tokens, split)
+
+
+def test_min_tokens_passes_a_stop_string_in_its_first_tokens(tok):
+    ids = tok.encode("one\n\ntwo\n\nthree")
+    first = next(n for n in range(len(ids)) if "\n\n" in tok.decode(ids[:n]))  # tokens up to the first stop
+    for min_tokens, text in ((0, "one"), (first - 1, "one"), (first, "one\n\ntwo"), (len(ids), "one\n\ntwo\n\nthree")):
+        s = TextStream(tok, ["\n\n"], min_tokens=min_tokens)
+        assert s.add(ids)[1] + s.finish() == text, min_tokens
+
+
 def test_stop_prefix_is_held_back_until_it_is_known(tok):
     s = TextStream(tok, [" have"])
     ids = tok.encode("we hav")

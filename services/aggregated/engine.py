@@ -197,9 +197,9 @@ class AggregatedEngine:
         self.thread.close()
 
     async def submit(self, request_id: str, prompt: list[int], max_tokens: int, params: SamplingParams,
-                     stop_token_ids: list[int] = (), draft_tokens: int | None = None) -> Job:
+                     stop_token_ids: list[int] = (), draft_tokens: int | None = None, min_tokens: int = 0) -> Job:
         """Reserve KV for the request (busy when full) and queue it for prefill; `draft_tokens`
-        caps speculation for this request (see Sequence.draft_tokens).
+        caps speculation for this request, `min_tokens` delays its stop tokens (see Sequence).
 
         Seeds as in the disaggregated system: the first token is drawn with `params.seed`
         (prefill's stream), later ones with the seed salted as decode salts it, so a seeded
@@ -207,7 +207,7 @@ class AggregatedEngine:
         if self._closed:
             raise BatonError(ErrorCode.UNAVAILABLE, "the service is shutting down")
         seq = Sequence(request_id, list(prompt), max_tokens, params, frozenset(stop_token_ids),
-                       draft_tokens=draft_tokens)
+                       draft_tokens=draft_tokens, min_tokens=min_tokens)
         decode_gen = None
         if not params.greedy:
             decode_gen = seq.gen if params.seed is None else \

@@ -130,7 +130,7 @@ class DecodeWorker:
         seed = None if s.seed is None else (s.seed ^ DECODE_SEED_SALT) % 2**64
         seq = Sequence(msg.request_id, list(msg.token_ids), msg.max_tokens,
                        SamplingParams(s.temperature, s.top_p, seed), frozenset(s.stop_token_ids),
-                       draft_tokens=s.draft_tokens)
+                       draft_tokens=s.draft_tokens, min_tokens=s.min_tokens)
         tag = request_tag(msg.request_id)
         if tag in self.requests:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {msg.request_id} is already reserved here")

@@ -110,7 +110,7 @@ def _common(body: dict, served_model: str, max_tokens: int) -> dict[str, Any]:
             raise bad(f"'{name}' is not supported by Baton", name)
     if _get(body, "n", int, 1) != 1:
         raise bad("'n': only 1 choice per request is supported", "n")
-    for name in ("logit_bias", "min_tokens", "tools", "functions"):
+    for name in ("logit_bias", "tools", "functions"):
         _unsupported(body, name)
     fmt = _get(body, "response_format", dict, {"type": "text"})
     if fmt.get("type") != "text":
@@ -138,7 +138,8 @@ def _common(body: dict, served_model: str, max_tokens: int) -> dict[str, Any]:
         raise bad(f"'draft_tokens': must be in 0..{MAX_DRAFT_TOKENS}, got {draft_tokens}", "draft_tokens")
     return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                 stream=_get(body, "stream", bool, False), stop=stop, stop_token_ids=stop_ids,
-                ignore_eos=_get(body, "ignore_eos", bool, False), draft_tokens=draft_tokens)
+                ignore_eos=_get(body, "ignore_eos", bool, False), min_tokens=_get(body, "min_tokens", int, 0),
+                draft_tokens=draft_tokens)
 
 
 def _options(body: dict) -> dict[str, Any]:

@@ -66,8 +66,10 @@ class DecodeLost(AttemptLost):
 
 
 def continued(sampling: SamplingParams, sent: int) -> SamplingParams:
-    """Sampling for a continuation after `sent` tokens: a seeded request gets a seed of its own
-    for the rest, so the continuation does not replay the random draws of its first tokens."""
+    """Sampling for a continuation after `sent` tokens: min_tokens counts what is left, and a seeded
+    request gets a seed of its own for the rest, so the continuation does not replay the random
+    draws of its first tokens."""
+    sampling = replace(sampling, min_tokens=max(0, sampling.min_tokens - sent))
     if sampling.seed is None:
         return sampling
     return replace(sampling, seed=(sampling.seed * 0x9E3779B97F4A7C15 + sent) % (1 << 64))

@@ -159,10 +159,10 @@ class Router:
         if self.tokenizer.eos_token_id is not None and not req.ignore_eos:
             stop_ids.append(self.tokenizer.eos_token_id)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                  stop_token_ids=stop_ids, draft_tokens=req.draft_tokens)
+                                  stop_token_ids=stop_ids, draft_tokens=req.draft_tokens, min_tokens=req.min_tokens)
         flow = await self._open_flow(request_id, ids, req.max_tokens, sampling)
         flow.at["received"] = received
-        text, n_tokens, ttft = TextStream(self.tokenizer, req.stop, frozenset(stop_ids)), 0, None
+        text, n_tokens, ttft = TextStream(self.tokenizer, req.stop, frozenset(stop_ids), req.min_tokens), 0, None
         self.flows[request_id] = flow
         if self._early_cancels.pop(request_id, 0.0) > time.monotonic():
             flow.cancel("cancelled before it started")

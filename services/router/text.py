@@ -17,6 +17,10 @@ not yet released.
 
 A stop token (end of text, or one of the request's `stop_token_ids`) is reported among the token
 ids but has no text, as in vLLM: the literal `<|endoftext|>` never reaches a client.
+
+With `min_tokens`, a stop string must end in the text of a later token: `floor` is where the text
+of the first min_tokens tokens ends (a chunk that straddles that token is split there, so the
+outcome does not depend on how tokens are grouped into chunks).
 """
 from __future__ import annotations
 
@@ -26,8 +30,11 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer: TextTokenizer, stop: list[str], stop_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, tokenizer: TextTokenizer, stop: list[str], stop_token_ids: frozenset[int] = frozenset(),
+                 min_tokens: int = 0) -> None:
         self.tokenizer, self.stop, self.stop_token_ids = tokenizer, stop, stop_token_ids
+        self.unarmed = min_tokens  # tokens still to come that no stop string may end in
+        self.floor = 0  # a stop string must end past this character of `window`
         self.tokens: list[int] = []
         self.prefix = self.read = 0  # token offsets, see the module docstring
         self.window = ""  # settled text of tokens[:read], less what no stop string can reach
@@ -40,9 +47,15 @@ class TextStream:
         stop string matched, `stopped` is True and later tokens are dropped."""
         if self.stopped:
             return [], ""
+        if 0 < (n := self.unarmed) < len(token_ids):
+            (head, head_text), (tail, tail_text) = self.add(token_ids[:n]), self.add(token_ids[n:])
+            return head + tail, head_text + tail_text
         self.tokens.extend(t for t in token_ids if t not in self.stop_token_ids)
         text = self._decode()
-        cut = self._stop_at(text)
+        cut = None if self.unarmed else self._stop_at(text)
+        if self.unarmed:
+            self.unarmed -= len(token_ids)
+            self.floor = len(text.removesuffix(REPLACEMENT))
         if cut is not None:
             self.stopped = True
             return token_ids, self._release(text[:cut])
@@ -50,7 +63,7 @@ class TextStream:
         if not text.endswith(REPLACEMENT) and len(self.tokens) > self.read:  # settled: move on
             self.prefix, self.read = self.read, len(self.tokens)
             drop = max(0, self.sent - self.keep)
-            self.window, self.sent = text[drop:], self.sent - drop
+            self.window, self.sent, self.floor = text[drop:], self.sent - drop, max(0, self.floor - drop)
         return token_ids, delta
 
     def finish(self) -> str:
@@ -73,7 +86,8 @@ class TextStream:
         return delta
 
     def _stop_at(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
+        hits = [i for i in (text.find(s, max(0, self.sent - len(s), self.floor - len(s) + 1)) for s in self.stop)
+                if i >= 0]
         return min(hits) if hits else None
 
     def _holdback(self, text: str) -> int:

@@ -50,6 +50,7 @@ class Sequence:
     params: SamplingParams = SamplingParams()
     stop_token_ids: frozenset[int] = frozenset()
     draft_tokens: int | None = None  # a cap on the deployment's K for this request (0: no drafts)
+    min_tokens: int = 0  # a stop token among the first this many is generated past, not stopped at
     output: list[int] = field(default_factory=list)  # generated tokens, the first one included
     length: int = 0  # target KV positions 0..length-1 are committed
     draft_len: int = 0  # draft entries below this position are valid
@@ -80,14 +81,15 @@ class Sequence:
         return self.max_tokens - len(self.output)
 
     def emit(self, tokens: list[int]) -> list[int]:
-        """Append generated tokens up to max_tokens or a stop token; returns what was appended."""
+        """Append generated tokens up to max_tokens or a stop token after the first min_tokens;
+        returns what was appended."""
         taken = []
         for t in tokens:
             if self.finish_reason:
                 break
             taken.append(t)
             self.output.append(t)
-            if t in self.stop_token_ids:
+            if t in self.stop_token_ids and len(self.output) > self.min_tokens:
                 self.finish_reason = "stop"
             elif self.remaining <= 0:
                 self.finish_reason = "length"
