@@ -8,6 +8,7 @@ import contextlib
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 from baton.proto import subjects
@@ -15,18 +16,27 @@ from baton.proto.internal import LookupReply, LookupRequest
 from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.services.worker import HEARTBEAT_S
-from baton.up import Cluster, start_cluster, wait_ready
+from baton.up import Cluster, start_cluster, wait_http_ready, wait_ready
 
 
 @contextlib.contextmanager
 def running_cluster(nats_url: str | None = None, prefill: int = 1, decode: int = 1, worker_args: list[str] = (),
-                    auth: bool = False, warm_up: bool = True, model: Path = DEFAULT_MODEL_DIR):
+                    auth: bool = False, warm_up: bool = True, model: Path = DEFAULT_MODEL_DIR,
+                    env: dict[str, str] = {}, http_port: int | None = None):
+    """Registry, router, prefill and decode processes (and the HTTP door on `http_port`) on
+    `nats_url` or a nats-server of their own; `env` is set for the services' start."""
     log_dir = tempfile.mkdtemp(prefix="baton-test-")
-    args = argparse.Namespace(model=model, prefill=prefill, decode=decode, log_dir=log_dir,
-                              nats_url=nats_url, nats_port=None)
-    cluster = start_cluster(args, ["--threads", "1", "--num-pages", "512", "--num-slots", "16", *worker_args], auth)
+    args = argparse.Namespace(model=model, prefill=prefill, decode=decode, log_dir=log_dir, nats_url=nats_url,
+                              nats_port=None, http=http_port is not None, http_host="127.0.0.1", http_port=http_port)
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        cluster = start_cluster(args, ["--threads", "1", "--num-pages", "512", "--num-slots", "16", *worker_args],
+                                auth)
     try:
         asyncio.run(wait_ready(cluster.nats_url, cluster, prefill, decode, 240.0, warm_up))
+        if http_port is not None:
+            wait_http_ready(cluster, "127.0.0.1", http_port, 120.0)
         yield cluster
     except BaseException:
         print_logs(log_dir)

@@ -4,10 +4,7 @@ and come out exactly as when served one at a time; a full queue answers busy (HT
 Retry-After, naming no worker); a cancelled waiting request never reaches a worker."""
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
-import tempfile
 
 import aiohttp
 import openai
@@ -22,33 +19,15 @@ from baton.shared.bus.server import free_port
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
-from baton.up import start_cluster, wait_http_ready, wait_ready
-from e2e_cluster import print_logs, wait_all_free, worker_loads
+from e2e_cluster import running_cluster, wait_all_free, worker_loads
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 TOK = TextTokenizer.load(DEFAULT_MODEL_DIR)
 
 
-@contextlib.contextmanager
 def cluster_of(worker_args: list[str], env: dict[str, str] = {}, http_port: int | None = None):
-    """Registry, one prefill, one decode, a router (and the HTTP frontend) on their own nats-server."""
-    log_dir = tempfile.mkdtemp(prefix="baton-queue-")
-    args = argparse.Namespace(model=DEFAULT_MODEL_DIR, prefill=1, decode=1, log_dir=log_dir, nats_url=None,
-                              nats_port=None, http=http_port is not None, http_host="127.0.0.1", http_port=http_port)
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in env.items():
-            patch.setenv(name, value)
-        cluster = start_cluster(args, ["--threads", "1", *worker_args])
-    try:
-        asyncio.run(wait_ready(cluster.nats_url, cluster, 1, 1, 240.0))
-        if http_port is not None:
-            wait_http_ready(cluster, "127.0.0.1", http_port, 120.0)
-        yield cluster
-    except BaseException:
-        print_logs(log_dir)
-        raise
-    finally:
-        cluster.stop()
+    """One prefill and one decode of the given sizes, on a nats-server of their own."""
+    return running_cluster(worker_args=worker_args, env=env, http_port=http_port)
 
 
 @pytest.fixture(scope="module")
