@@ -8,7 +8,6 @@ import asyncio
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +23,7 @@ from baton.shared.bus.server import free_port
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
-from e2e_cluster import print_logs, wait_all_free
+from e2e_cluster import print_logs, stop_process, wait_all_free
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 MODEL = "baton-tiny"
@@ -57,12 +56,7 @@ def up(tmp_path_factory):
         print_logs(str(tmp / "logs"))
         raise
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
-from e2e_cluster import print_logs, worker_loads
+from e2e_cluster import print_logs, stop_process, worker_loads
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 WORKER_FLAGS = ["--threads", "1", "--num-pages", "512", "--num-slots", "16"]
@@ -77,13 +77,7 @@ def baton_up(tmp: Path, *flags: str):
         print_logs(str(up.log_dir))
         raise
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def children(pid: int) -> dict[int, str]:
