@@ -90,6 +90,37 @@ def test_stream_errors_map_like_requests(nats_server):
     run(scenario, nats_server)
 
 
+def test_a_silent_stream_pings_its_sender_and_fails_fast_once_the_sender_is_gone(nats_server):
+    """Silent past the liveness interval: a live sender's probe ignores the ping and the stream
+    goes on; once the sender's connection is gone the ping gets "no responders" and the stream
+    raises unavailable within seconds, long before its 30 s timeout."""
+    async def scenario(url):
+        async with await Bus.connect(url, "client") as client:
+            server = await Bus.connect(url, "router")
+            resume, hang = asyncio.Event(), asyncio.Event()
+
+            async def pauses_then_hangs(request):
+                yield chunk(0)
+                await resume.wait()
+                yield chunk(1)
+                await asyncio.wait_for(hang.wait(), 10)
+
+            await server.serve(SUBJECT, GenerateRequest, pauses_then_hangs)
+            stream = client.stream_request(SUBJECT, GenerateRequest(prompt="x"), StreamChunk, timeout_per_message=30)
+            assert await stream.__anext__() == chunk(0)
+            asyncio.get_running_loop().call_later(3, resume.set)  # silent past two liveness intervals
+            assert await stream.__anext__() == chunk(1)
+            await server.connection.close()  # the router dies: no endpoint cleanup, no reply
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(BatonError) as raised:
+                await stream.__anext__()
+            assert raised.value.code is ErrorCode.UNAVAILABLE and "gone" in raised.value.message
+            assert asyncio.get_running_loop().time() - started < 5
+            hang.set()
+            await server.close()
+    run(scenario, nats_server)
+
+
 def test_router_token_inbox_routes_chunks_published_by_another_service(nats_server):
     """One wildcard subscription per router; each open subject's chunks reach its own queue in
     order, an error reply arrives as ("error", ...), and a closed subject's chunks are dropped."""

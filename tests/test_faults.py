@@ -319,3 +319,63 @@ def test_sigterm_of_one_prefill_finishes_its_writes_before_it_leaves(reference, 
         assert "retrying once" not in router, "a request of the stopped prefill was retried, not finished"
         assert "notice for unknown request" not in decode, "a WRITE ended after decode released its request"
         asyncio.run(wait_all_free(cluster.nats_url))
+
+
+def test_router_killed_mid_stream_fails_its_clients_within_seconds_and_decode_frees(reference):
+    """kill -9 of the router while three requests stream: decode's next chunk to the router's token
+    inbox gets "no responders" and decode ends each request (freeing its slots at once instead of
+    generating to max_tokens); each client's stream pings the router's probe after 2 s of silence
+    and fails `unavailable`. A new router then serves exactly."""
+    with running_cluster(prefill=1, decode=1) as cluster:
+        async def run():
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
+                prompts = [prompt(40, 40 + s) for s in range(3)]
+                decoding = [asyncio.Event() for _ in prompts]
+                tasks = [asyncio.create_task(streamed_long(bus, p, d)) for p, d in zip(prompts, decoding)]
+                await wait_decoding(decoding)
+                router = next(i for i, (role, _) in enumerate(cluster.children) if role == "router")
+                kill(cluster, "router")
+                killed_at = time.monotonic()
+                results = await asyncio.gather(*tasks)
+                waited = time.monotonic() - killed_at
+                assert all(isinstance(r, BatonError) and r.code is ErrorCode.UNAVAILABLE for r in results), results
+                print(f"clients learned {waited:.1f} s after the kill")
+                assert waited < 10, f"clients learned after {waited:.1f} s"
+                await wait_all_free(cluster.nats_url, timeout_s=15)  # long before 1,500 tokens each
+                decode_log = next(Path(cluster.log_dir).glob("decode-*.log")).read_text()
+                assert decode_log.count("its router's token inbox is gone; aborted") == 3
+                cluster.respawn(router)
+                later = prompt(50, 9)
+                assert_exact_whole(reference, later, await served_once_a_router_is_up(bus, later, 20), 20)
+                last = await streamed(bus, later, 20, asyncio.Event())
+                assert_exact_whole(reference, later, last, 20)
+            await wait_all_free(cluster.nats_url, min_requests=5)
+        asyncio.run(run())
+
+
+async def streamed_long(bus: Bus, p: list[int], decoding: asyncio.Event):
+    """A stream that would run 1,500 tokens (past end of text); the outcome as `streamed` gives it."""
+    request = GenerateRequest(token_ids=p, max_tokens=1500, stream=True, ignore_eos=True)
+    try:
+        async with bus.stream_request(subjects.GENERATE, request, StreamChunk, timeout_per_message=120) as chunks:
+            async for chunk in chunks:
+                if chunk.token_ids:
+                    decoding.set()
+    except BatonError as exc:
+        return exc
+    return chunk
+
+
+async def served_once_a_router_is_up(bus: Bus, p: list[int], n: int, timeout_s: float = 60):
+    """The first reply that is not `unavailable` (no router listening yet)."""
+    deadline = time.monotonic() + timeout_s
+    while isinstance(reply := await outcome(bus, p, n), BatonError) and reply.code is ErrorCode.UNAVAILABLE:
+        assert time.monotonic() < deadline, reply
+        await asyncio.sleep(0.2)
+    return reply
+
+
+def assert_exact_whole(reference, p, reply, n) -> None:
+    want = reference.greedy(p, n)
+    assert isinstance(reply, (GenerateReply, Streamed)), reply
+    assert (reply.token_ids, reply.finish_reason) == (want, "length" if len(want) == n else "stop"), reply

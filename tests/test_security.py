@@ -3,11 +3,12 @@ user; an unauthenticated client is refused; the client user may use the public A
 reply inboxes only — it can neither publish to internal subjects nor read other inboxes."""
 import asyncio
 
+import nats.errors
 import pytest
 
 from baton.proto import subjects
-from baton.proto.errors import BatonError
-from baton.proto.public import GenerateReply, GenerateRequest
+from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.public import GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
 from e2e_cluster import Reference, running_cluster
 
@@ -75,3 +76,34 @@ def test_client_cannot_publish_internal_or_read_other_inboxes(cluster):
     assert own, "the client must receive on its own inbox (control)"
     assert not forged, "a client published to an internal subject"
     assert leaked == [False, False, False], "a client read another inbox or internal traffic"
+
+
+def test_client_may_ping_the_probe_of_a_chunk_it_received_and_learns_the_sender_is_gone(cluster):
+    """allow_responses: the client may publish to the reply subject of a message it received (a
+    chunk's probe), so its stream learns that the sender died; any other inbox stays closed to it
+    (a ping there is dropped by the server: a timeout, not "no responders")."""
+    async def run():
+        service = await Bus.connect(cluster.nats_url, "service", **cluster.service.connect_options())
+        client = await Bus.connect(cluster.nats_url, "client", **cluster.client.connect_options())
+        hang = asyncio.Event()
+
+        async def one_chunk_then_hang(request):
+            yield StreamChunk(request_id="r1", token_ids=[1], text="a")
+            await asyncio.wait_for(hang.wait(), 10)
+
+        try:
+            await service.serve(f"{subjects.PUBLIC}.test.stream", GenerateRequest, one_chunk_then_hang)
+            stream = client.stream_request(f"{subjects.PUBLIC}.test.stream", GenerateRequest(prompt="x"),
+                                           StreamChunk, timeout_per_message=30)
+            assert (await stream.__anext__()).token_ids == [1]
+            with pytest.raises(nats.errors.TimeoutError):
+                await client.connection.request("_INBOX.not-a-reply-to-you", b"", timeout=1)
+            await service.connection.close()
+            with pytest.raises(BatonError) as raised:
+                await asyncio.wait_for(stream.__anext__(), 6)
+            assert raised.value.code is ErrorCode.UNAVAILABLE
+        finally:
+            hang.set()
+            await client.close()
+            await service.close()
+    asyncio.run(run())

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from nats.aio.msg import Msg
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
@@ -75,6 +76,7 @@ class DecodeWorker:
         self.engine = EngineThread()
         self.requests: dict[int, Request] = {}  # by tag
         self.wake = asyncio.Event()
+        self.probe_prefix = bus.connection.new_inbox()  # <prefix>.<tag>: the reply subject of a request's chunks
         self.membership = Membership(bus, registration(config, self.manifest, self.agent.metadata(),
                                                        self.model.cfg.max_position_embeddings), self.load)
 
@@ -94,6 +96,7 @@ class DecodeWorker:
             await self.membership.start()  # the worker id is ours before we serve its subjects
             tasks = [asyncio.create_task(self._arrivals(), name="arrivals"),
                      asyncio.create_task(self._step_loop(), name="decode-steps")]
+            await self.bus.subscribe(f"{self.probe_prefix}.*", self._on_probe)
             await self.bus.serve(subjects.decode_reserve(self.config.worker_id), ReserveRequest, self.reserve)
             await self.bus.serve(subjects.decode_release(self.config.worker_id), ReleaseRequest, self.release)
             await on_worker_left(self.bus, self._peer_left)
@@ -174,16 +177,28 @@ class DecodeWorker:
         return "cold" if self.spec.draft_state == "cold" or from_plan == "cold" else from_plan
 
     async def release(self, msg: ReleaseRequest) -> Ack:
-        tag = request_tag(msg.request_id)
+        self._end(request_tag(msg.request_id), msg.reason or "released", msg.finish_reason)
+        return Ack()
+
+    async def _on_probe(self, msg: Msg) -> None:
+        """A 503 "no responders" for a chunk's probe: the router's token inbox is gone (the router
+        died), so nobody will read this request's tokens; end it as a release would."""
+        tag = int(msg.subject.rsplit(".", 1)[1])
+        req = self.requests.get(tag)
+        if msg.headers and msg.headers.get("Status") == "503" and req is not None and not req.abort:
+            log.info("request %s: its router's token inbox is gone; aborted", req.seq.request_id)
+            self._end(tag, "the router's token inbox is gone", "abort")
+
+    def _end(self, tag: int, reason: str, finish_reason: str) -> None:
+        """Leave the batch at the next step boundary and free the slots (a request that never
+        started frees them at its transfer's RELEASE event)."""
         req = self.requests.get(tag)
         if req is None:
-            return Ack()
-        req.abort = msg.reason or "released"
-        req.released_as = msg.finish_reason
+            return
+        req.abort, req.released_as = reason, finish_reason
         if not req.started:
-            self.agent.arrivals.abort(tag, req.abort)  # slots come back at the RELEASE event
+            self.agent.arrivals.abort(tag, req.abort)
         self.wake.set()
-        return Ack()
 
     # --- arrivals -------------------------------------------------------------------------
     async def _arrivals(self) -> None:
@@ -273,7 +288,8 @@ class DecodeWorker:
                            finished=finish_reason is not None, **summary)
         req.chunks += 1
         try:
-            await self.bus.publish(req.stream, chunk)
+            probe = f"{self.probe_prefix}.{request_tag(req.seq.request_id)}"
+            await self.bus.publish(req.stream, chunk, reply=probe)
         except BatonError as exc:
             log.warning("cannot stream %s: %s", req.seq.request_id, exc)
 

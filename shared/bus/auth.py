@@ -5,7 +5,9 @@ Two kinds of users in one account with JetStream:
               replies to clients)
     client    the public API only: may publish to `baton.v1.>` and subscribe only to its own reply
               inboxes `_INBOX_<user>.>` (it connects with that inbox prefix), so it can neither
-              see nor forge internal traffic, nor read another client's replies.
+              see nor forge internal traffic, nor read another client's replies. It may also
+              publish to the reply subject of a message it received (`allow_responses`): the probe
+              of a stream chunk, pinged to learn whether the router serving it is still alive.
 """
 from __future__ import annotations
 
@@ -45,5 +47,6 @@ def server_config(service: Credentials, clients: list[Credentials]) -> str:
               "permissions": {"publish": ">", "subscribe": ">"}}]
     users += [{"user": c.user, "password": c.password,
                "permissions": {"publish": {"allow": [f"{PUBLIC}.>"]},
-                               "subscribe": {"allow": [f"{c.inbox_prefix}.>"]}}} for c in clients]
+                               "subscribe": {"allow": [f"{c.inbox_prefix}.>"]},
+                               "allow_responses": {"max": 1000, "expires": "30m"}}} for c in clients]
     return json.dumps({"accounts": {"BATON": {"jetstream": "enabled", "users": users}}}, indent=2) + "\n"

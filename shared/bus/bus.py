@@ -94,10 +94,11 @@ class Bus:
             msg = await self._nc.request(subject, data, timeout=timeout)
         return decode_reply_from(subject, msg.data, reply_cls, self.limits)
 
-    async def publish(self, subject: str, message: Any) -> None:
+    async def publish(self, subject: str, message: Any, reply: str = "") -> None:
+        """`reply`: a probe subject, answered with a 503 "no responders" once nobody listens on `subject`."""
         data = encode_for(subject, message, self._nc.max_payload)
         with nats_errors_mapped(subject):
-            await self._nc.publish(subject, data)
+            await self._nc.publish(subject, data, reply=reply)
 
     def stream_request(self, subject: str, message: Any, chunk_cls: type[M],
                        timeout_per_message: float = 30.0) -> ReplyStream[M]:

@@ -2,10 +2,12 @@
 error."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import fields
 from typing import Any, Callable, Generic, TypeVar
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
@@ -22,17 +24,21 @@ class ReplyStream(Generic[M]):
     """Async iterator of `cls` messages arriving on `self.subject`.
 
     The last message is the first with `finished` true; an error reply raises its BatonError;
-    `timeout_per_message` seconds of silence raise timeout. The subscription is removed when the
-    stream ends, on `close()`, on leaving `async with`, or when the bus closes.
+    `timeout_per_message` seconds of silence raise timeout. After `liveness_s` of silence the
+    sender is pinged on the reply subject of its last message (its probe): "no responders" means
+    the sender is gone, and the stream raises unavailable within seconds instead of at its timeout.
+    The subscription is removed when the stream ends, on `close()`, on leaving `async with`, or
+    when the bus closes.
     """
 
     def __init__(self, nc: Client, cls: type[M], timeout_per_message: float, limits: Limits,
-                 request: tuple[str, bytes], on_close: Callable[["ReplyStream"], None]):
+                 request: tuple[str, bytes], on_close: Callable[["ReplyStream"], None], liveness_s: float = 2.0):
         if "finished" not in {f.name for f in fields(cls)}:
             raise TypeError(f"{cls.__name__} has no 'finished' field to end a stream")
         self.subject = nc.new_inbox()
         self._nc, self._cls, self._limits = nc, cls, limits
-        self._timeout = timeout_per_message
+        self._timeout, self._liveness_s = timeout_per_message, liveness_s
+        self._probe = ""  # the sender's probe subject: the reply subject of its last message
         self._request_subject, self._request_data = request  # published with reply=self.subject
         self._on_close = on_close
         self._sub: Subscription | None = None
@@ -64,11 +70,34 @@ class ReplyStream(Generic[M]):
         return item
 
     async def _next(self) -> M:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
         with nats_errors_mapped(self._request_subject, self._timeout):
-            msg = await self._sub.next_msg(timeout=self._timeout)
+            while True:
+                try:
+                    msg = await self._sub.next_msg(timeout=max(min(self._liveness_s, deadline - loop.time()), 1e-3))
+                    break
+                except nats.errors.TimeoutError:
+                    if loop.time() >= deadline:
+                        raise
+                    await self._check_sender()
+        self._probe = msg.reply or self._probe
         if msg.headers and msg.headers.get("Status") == "503":
             raise BatonError(ErrorCode.UNAVAILABLE, f"no service is listening on {self._request_subject}")
         return decode_reply_from(self._request_subject, msg.data, self._cls, self._limits)
+
+    async def _check_sender(self) -> None:
+        """Ping the sender's probe: its subscription receives and ignores the ping (a timeout here),
+        unless the sender is gone, when the server answers "no responders"."""
+        if not self._probe:
+            return
+        try:
+            await self._nc.request(self._probe, b"", timeout=self._liveness_s / 2)
+        except nats.errors.NoRespondersError:
+            raise BatonError(ErrorCode.UNAVAILABLE, f"{self._request_subject}: the service serving "
+                             "this request (the router) is gone") from None
+        except (asyncio.TimeoutError, nats.errors.Error):  # alive, or NATS itself unreachable for now
+            pass
 
     async def close(self) -> None:
         if self._done:
