@@ -1,9 +1,11 @@
-"""Child processes that die with their parent, also when the parent is killed with SIGKILL."""
+"""Child processes: ones that die with their parent (also when it is killed with SIGKILL), and
+stopping one politely."""
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 from typing import Callable
 
@@ -24,3 +26,15 @@ def die_with_parent() -> Callable[[], None] | None:
         if os.getppid() != parent:  # the parent died before prctl: no signal would ever come
             os._exit(1)
     return preexec
+
+
+def stop(process: subprocess.Popen, grace_s: float = 20.0) -> int:
+    """SIGTERM, then SIGKILL after `grace_s`; returns the exit code once it exited."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode

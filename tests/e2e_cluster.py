@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -45,17 +43,6 @@ def running_cluster(nats_url: str | None = None, prefill: int = 1, decode: int =
         raise
     finally:
         cluster.stop()
-
-
-def stop_process(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
-    """SIGTERM (if it still runs), then SIGKILL after `grace_s`; returns once it exited."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def print_logs(log_dir: str) -> None:

@@ -21,9 +21,10 @@ from baton.services.http.api import render_chat
 from baton.shared.bus import Bus
 from baton.shared.bus.server import free_port
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared.process import stop
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
-from e2e_cluster import print_logs, stop_process, wait_all_free
+from e2e_cluster import print_logs, wait_all_free
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 MODEL = "baton-tiny"
@@ -56,7 +57,7 @@ def up(tmp_path_factory):
         print_logs(str(tmp / "logs"))
         raise
     finally:
-        stop_process(proc)
+        stop(proc, grace_s=60)
 
 
 @pytest.fixture(scope="module")

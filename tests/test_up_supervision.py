@@ -23,9 +23,10 @@ from baton.proto.errors import BatonError
 from baton.proto.public import GenerateReply, GenerateRequest
 from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared.process import stop
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
-from e2e_cluster import print_logs, stop_process, worker_loads
+from e2e_cluster import print_logs, worker_loads
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 WORKER_FLAGS = ["--threads", "1", "--num-pages", "512", "--num-slots", "16"]
@@ -77,7 +78,7 @@ def baton_up(tmp: Path, *flags: str):
         print_logs(str(up.log_dir))
         raise
     finally:
-        stop_process(proc)
+        stop(proc, grace_s=60)
 
 
 def children(pid: int) -> dict[int, str]:

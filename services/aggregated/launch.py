@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError
 from baton.proto.public import GenerateReply, GenerateRequest
 from baton.shared.bus import Bus
+from baton.shared.process import stop
 
 
 def spawn(nats_url: str, args: list[str] = (), log_path: Path | None = None) -> subprocess.Popen:
@@ -42,18 +42,6 @@ async def wait_ready(nats_url: str, process: subprocess.Popen, timeout_s: float 
                 await asyncio.sleep(0.2)
     finally:
         await bus.close()
-
-
-def stop(process: subprocess.Popen, grace_s: float = 20.0) -> int:
-    """SIGTERM, then SIGKILL after `grace_s`; returns the exit code."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    return process.returncode
 
 
 @contextlib.contextmanager
