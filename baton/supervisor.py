@@ -2,9 +2,10 @@
 
 A service that exits is started again after 0.5 s, 1 s, 2 s, ... (at most 8 s); a worker comes
 back under a fresh worker id, so the registry never sees two instances of one id, and the dead
-one is deregistered at once (routers and peers stop using it before its lease would run out). After its 6th exit within 60 s a service is given up on. `baton up`
-keeps serving while every role still has a process and exits 1 once one has none left (nothing
-could serve a request) or its own NATS server cannot be kept alive.
+one is deregistered at once (routers and peers stop using it before its lease would run out).
+After its 6th exit within 60 s a service is given up on. `baton up` keeps serving while every
+role still has a process and exits 1 once one has none left (nothing could serve a request) or
+its own NATS server cannot be kept alive.
 """
 from __future__ import annotations
 
