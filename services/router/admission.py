@@ -8,10 +8,8 @@ admits the head of the queue.
 
 Slots are shared with other routers, and pages can run out before slots do, so decode may still
 refuse an admitted request: it then goes back to the head of the queue (`refused`), and the queue
-admits nobody until a request ends or RETRY_S passes. A refused request that was this router's
-only admitted one gets decode's refusal instead: nothing of ours can end and make room for it
-(it does not fit the workers at all, or other routers hold them). A waiting request that is
-cancelled leaves the queue at once and never reaches a worker.
+admits nobody until a request ends or RETRY_S passes. A waiting request that is cancelled leaves
+the queue at once and never reaches a worker.
 """
 from __future__ import annotations
 
@@ -86,12 +84,6 @@ class AdmissionQueue:
         if self._retry is not None:
             self._retry.cancel()
         self._retry = asyncio.get_running_loop().call_later(RETRY_S, self._admit_waiting)
-
-    def admitted_alone(self, request_id: str) -> bool:
-        """Whether `request_id` is the only request this router has admitted: when decode refuses
-        it then, no request of ours can end and make room, so waiting again would wait in vain
-        (it does not fit the workers, or other routers hold them)."""
-        return self.admitted == {request_id}
 
     def close(self) -> None:
         if self._retry is not None:

@@ -56,12 +56,7 @@ class AttemptLost(Exception):
 
 class NoCapacity(Exception):
     """Every decode worker refused the reservation for want of room: the request waits in the
-    queue again (nothing reached the client, and prefill is released), unless nothing else of
-    this router's holds room that could free up: then it cannot fit, and `error` is the answer."""
-
-    def __init__(self, error: BatonError) -> None:
-        super().__init__(error.message)
-        self.error = error
+    queue again (nothing reached the client, and prefill is released)."""
 
 
 class DecodeLost(AttemptLost):
@@ -151,10 +146,8 @@ class Flow:
                         sent += ids
                         yield ids
                     return
-                except NoCapacity as full:
+                except NoCapacity:
                     await self._end_attempt("no decode capacity")
-                    if self.admission.admitted_alone(self.request_id):
-                        raise full.error
                     self.admission.refused(self.request_id)
                     self._new_attempt_id()
                 except AttemptLost as lost:
@@ -268,7 +261,7 @@ class Flow:
             return reply, plan
         log.info("request %s waits again: no decode worker has room (%s)", self.request_id, last.message)
         if last.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE):
-            raise NoCapacity(last)
+            raise NoCapacity()
         raise last
 
     async def _prefill(self, prefill_id: str) -> None:
