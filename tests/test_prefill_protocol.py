@@ -46,10 +46,11 @@ async def outcome(coro):
 def test_failed_reservation_releases_prefill_at_once(cluster):
     async def run():
         async with await Bus.connect(cluster.nats_url, "test") as bus:
-            # decode needs 16 + 400 + k + 1 positions (27 pages of 16): more than its 8; prefill needs 1
+            # decode needs 16 + 400 + k + 1 positions (27 pages of 16): more than its 8 could ever hold,
+            # so the answer is too_large at once (not busy, which would mean "wait in the queue"); prefill needs 1
             got = await outcome(bus.request(subjects.GENERATE, GenerateRequest(token_ids=list(range(1, 17)),
                                                                                max_tokens=400), GenerateReply, timeout=30))
-            assert isinstance(got, BatonError) and got.code is ErrorCode.BUSY, got
+            assert isinstance(got, BatonError) and got.code is ErrorCode.TOO_LARGE, got
         await wait_all_free(cluster.nats_url, timeout_s=DEADLINE_S / 2)  # not only after the deadline
     asyncio.run(run())
 

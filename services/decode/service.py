@@ -25,7 +25,7 @@ from baton.shared.bus import Bus
 from baton.shared.engine.runner import ModelRunner, SpecConfig
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
-from baton.shared.kv.allocator import KVError
+from baton.shared.kv.allocator import KVError, OutOfCapacity
 from baton.shared.kv.aux import first_token_at, unpack_aux
 from baton.shared.kv.codec import to_plain
 from baton.shared.kv.store import KVStore
@@ -141,8 +141,10 @@ class DecodeWorker:
         await self._ensure_peer(msg.prefill_worker_id)
         try:  # bookkeeping, on the loop: it never waits behind a decode step on the engine thread
             alloc = self._allocate(msg.request_id, positions, len(seq.prompt))
-        except KVError as exc:
+        except OutOfCapacity as exc:  # room may come back: the router's queue waits for it
             raise BatonError(ErrorCode.BUSY, f"decode {self.config.worker_id}: {exc}") from None
+        except KVError as exc:  # more than this worker could ever hold: waiting would not help
+            raise BatonError(ErrorCode.TOO_LARGE, f"decode {self.config.worker_id}: {exc}") from None
         self.requests_total += 1
         draft_state = self._draft_state(msg.draft_state)
         self.requests[tag] = Request(seq, msg.stream_subject, draft_state, time.monotonic(),

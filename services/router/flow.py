@@ -236,7 +236,7 @@ class Flow:
                                         self.directory.outstanding(w.registration.worker_id), -w.load.free_pages))
         if not decodes:
             raise BatonError(ErrorCode.UNAVAILABLE, "no decode worker is registered")
-        last: BatonError | None = None
+        last, room_may_come = None, False
         for worker in decodes:
             decode_id = worker.registration.worker_id
             self.workers[decode_id] = "decode"
@@ -252,15 +252,16 @@ class Flow:
             except BatonError as exc:
                 self._unhold(decode_id)
                 last = exc
-                if exc.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
-                    continue
+                room_may_come |= exc.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE)
+                if exc.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.TOO_LARGE):
+                    continue  # too_large: this decode could never hold it, another may
                 raise
             self.at.mark("reserved")
             self.decode_id = decode_id
             self.served_by = f"{prefill_id}->{decode_id}"
             return reply, plan
-        log.info("request %s waits again: no decode worker has room (%s)", self.request_id, last.message)
-        if last.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE):
+        if room_may_come:
+            log.info("request %s waits again: no decode worker has room (%s)", self.request_id, last.message)
             raise NoCapacity()
         raise last
 
