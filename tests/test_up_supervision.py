@@ -114,10 +114,11 @@ def prompts(count: int) -> list[list[int]]:
 
 
 async def answer(bus: Bus, prompt: list[int], max_tokens: int):
-    """(token ids, text, finish reason), or the BatonError."""
+    """(token ids, text, finish reason), or the BatonError. Past end of text (ignore_eos), so a
+    request runs its max_tokens and a kill can land while it decodes."""
     try:
-        reply = await bus.request(subjects.GENERATE, GenerateRequest(token_ids=prompt, max_tokens=max_tokens),
-                                  GenerateReply, timeout=180)
+        reply = await bus.request(subjects.GENERATE, GenerateRequest(token_ids=prompt, max_tokens=max_tokens,
+                                                                     ignore_eos=True), GenerateReply, timeout=180)
     except BatonError as exc:
         return exc
     return reply.token_ids, reply.text, reply.finish_reason
@@ -140,17 +141,17 @@ def test_one_of_two_decodes_killed_is_restarted_and_no_request_is_lost(tmp_path)
         async def run():
             async with await Bus.connect(up.nats_url, "test") as bus:
                 batch = prompts(8)
-                before = await asyncio.gather(*(answer(bus, p, 200) for p in batch))
+                before = await asyncio.gather(*(answer(bus, p, 600) for p in batch))
                 assert all(isinstance(r, tuple) for r in before), before
                 old = set(await decodes(up.nats_url))
-                during = [asyncio.create_task(answer(bus, p, 200)) for p in batch]
+                during = [asyncio.create_task(answer(bus, p, 600)) for p in batch]
                 await wait_async(lambda: _all_active(up.nats_url), 60, "both decodes decoding")
                 os.kill(next(pid for pid, cmd in children(up.proc.pid).items() if "serve decode" in cmd), signal.SIGKILL)
                 started = time.monotonic()
                 assert await asyncio.gather(*during) == before  # whole replies, finish reasons too
                 await wait_async(lambda: _replaced(up.nats_url, old), 60, "the killed decode registered again")
                 print(f"the killed decode was back {time.monotonic() - started:.1f} s after the kill")
-                assert await asyncio.gather(*(answer(bus, p, 200) for p in batch)) == before
+                assert await asyncio.gather(*(answer(bus, p, 600) for p in batch)) == before
         asyncio.run(run())
         assert up.proc.poll() is None
         slot = up.wait_for(r"decode-\d exited \(signal SIGKILL\); restarting in 0.5 s", 5).split()[1]
