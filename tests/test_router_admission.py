@@ -104,3 +104,15 @@ def test_errors_for_the_client_name_no_worker():
     error = f._for_client(BatonError(ErrorCode.TIMEOUT, "no reply from baton.internal.v1.decode.decode-7f3a.reserve "
                                      "within 5 s; prefill prefill-91c2"))
     assert error.code is ErrorCode.TIMEOUT and "7f3a" not in error.message and "91c2" not in error.message
+
+
+def test_a_refused_request_is_retried_even_when_the_timer_fires_a_tick_early():
+    """asyncio may run a call_later handle up to a clock tick before its time; the retry after a
+    refusal must admit the request then too (before, it waited until max_queue_s)."""
+    async def run():
+        q = queue(capacity=1)
+        assert await q.enter("a")
+        q.refused("a")  # decode had no room yet: "a" waits at the head, paused for RETRY_S
+        q._paused_until += 3600  # as if the retry timer ran before the pause's end by the clock
+        assert await asyncio.wait_for(q.enter("a"), 5)
+    asyncio.run(run())

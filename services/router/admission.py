@@ -83,7 +83,14 @@ class AdmissionQueue:
         self._paused_until = time.monotonic() + RETRY_S
         if self._retry is not None:
             self._retry.cancel()
-        self._retry = asyncio.get_running_loop().call_later(RETRY_S, self._admit_waiting)
+        self._retry = asyncio.get_running_loop().call_later(RETRY_S, self._resume)
+
+    def _resume(self) -> None:
+        """The pause after a refusal is over. asyncio may run this a clock tick before
+        `_paused_until`; left to `_room()` then, nobody would be admitted and no timer would
+        come again, so the pause ends here."""
+        self._paused_until = 0.0
+        self._admit_waiting()
 
     def close(self) -> None:
         if self._retry is not None:
