@@ -11,7 +11,7 @@ from typing import Literal
 from .errors import bad_request
 from .fields import Count, Millis, RequestId, Seed, Subject, TokenId, WorkerId
 from .limits import Limits
-from .public import FinishReason, SpecStats, Timing, check_draft_tokens, check_sampling
+from .public import FinishReason, Logprobs, SpecStats, Timing, check_draft_tokens, check_logprobs, check_sampling
 
 Role = Literal["prefill", "decode"]
 
@@ -29,9 +29,12 @@ class SamplingParams:
     stop_token_ids: list[TokenId] = field(default_factory=list)
     draft_tokens: int | None = None  # GenerateRequest.draft_tokens: a cap on the deployment's K
     min_tokens: int = 0  # GenerateRequest.min_tokens: stop tokens among the first this many do not stop
+    logprobs: int | None = None  # GenerateRequest.logprobs: decode reports the generated tokens' logprobs
+    prompt_logprobs: int | None = None  # GenerateRequest.prompt_logprobs: prefill reports the prompt's
 
     def validate(self, limits: Limits) -> None:
         check_sampling(self.temperature, self.top_p)
+        check_logprobs(self.logprobs, self.prompt_logprobs)
         if self.min_tokens < 0:
             raise bad_request(f"field 'min_tokens': must be >= 0, got {self.min_tokens}")
         check_draft_tokens(self.draft_tokens)
@@ -175,6 +178,7 @@ class TokenChunk:
     finish_reason: FinishReason | None = None  # set when finished
     spec: SpecStats | None = None  # set when finished
     timing: Timing | None = None  # set when finished; measured on decode from reserve
+    logprobs: Logprobs | None = None  # of token_ids, when the request asked for logprobs
 
     def validate(self, limits: Limits) -> None:
         summary = (self.finish_reason, self.spec, self.timing)
@@ -215,3 +219,4 @@ class PrefillDone:
     transfer_bytes: Count
     prefill_ms: Millis
     transfer_ms: Millis
+    prompt_logprobs: Logprobs | None = None  # when the dispatch's sampling asked for them

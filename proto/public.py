@@ -25,6 +25,8 @@ class GenerateRequest:
     stop_token_ids: list[TokenId] = field(default_factory=list)
     ignore_eos: bool = False  # generate past the end-of-text token (to max_tokens or another stop)
     min_tokens: int = 0  # 0 .. max_tokens: no stop token or stop string ends the request before this many tokens
+    logprobs: int | None = None  # 0 .. 20: each generated token's logprob and this many most likely alternatives
+    prompt_logprobs: int | None = None  # 0 .. 20: the same for the prompt's tokens (from its second on)
     request_id: RequestId | None = None  # chosen by the client so it can cancel; else the router picks
 
     def validate(self, limits: Limits) -> None:
@@ -46,6 +48,9 @@ class GenerateRequest:
                               f"got {self.min_tokens}")
         check_sampling(self.temperature, self.top_p)
         check_draft_tokens(self.draft_tokens)
+        check_logprobs(self.logprobs, self.prompt_logprobs)
+        if self.token_ids is not None:
+            check_logprob_size(self, len(self.token_ids))
         if len(self.stop) > limits.max_stop or len(self.stop_token_ids) > limits.max_stop:
             raise bad_request(f"fields 'stop' and 'stop_token_ids': at most {limits.max_stop} entries each")
         for i, text in enumerate(self.stop):
@@ -60,6 +65,30 @@ def check_sampling(temperature: float, top_p: float) -> None:
         raise bad_request(f"field 'top_p': must be in (0, 1], got {top_p}")
 
 
+MAX_LOGPROBS = 20  # most likely alternatives per position (vLLM's default bound, OpenAI's top_logprobs)
+MAX_LOGPROB_ENTRIES = 1 << 16  # logprobs one request may ask for, alternatives included: keeps replies < 1 MiB
+
+
+def check_logprobs(logprobs: int | None, prompt_logprobs: int | None) -> None:
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise bad_request(f"field '{name}': must be between 0 and {MAX_LOGPROBS}, got {value}")
+
+
+def check_logprob_size(req: "GenerateRequest", prompt_tokens: int) -> None:
+    """Every reported logprob travels in one reply (unary) or one chunk (prompt logprobs); a request
+    whose logprobs could not fit in a message is refused before any work is done."""
+    entries = 0
+    if req.logprobs is not None:
+        entries += (req.logprobs + 1) * req.max_tokens
+    if req.prompt_logprobs is not None:
+        entries += (req.prompt_logprobs + 1) * prompt_tokens
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise BatonError(ErrorCode.TOO_LARGE, f"logprobs for {prompt_tokens} prompt and {req.max_tokens} completion "
+                         f"tokens come to {entries} values; the limit is {MAX_LOGPROB_ENTRIES} (ask for fewer "
+                         f"alternatives or fewer tokens)")
+
+
 MAX_DRAFT_TOKENS = 16  # also the bound on a deployment's --draft-tokens (shared/config.py, SpecConfig)
 
 
@@ -69,6 +98,34 @@ def check_draft_tokens(draft_tokens: int | None) -> None:
     greedy tokens exact and sampled ones distributed as the target's."""
     if draft_tokens is not None and not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
         raise bad_request(f"field 'draft_tokens': must be between 0 and {MAX_DRAFT_TOKENS}, got {draft_tokens}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Logprobs:
+    """Log-probabilities of a run of tokens under the target model: the log-softmax of its raw
+    logits (no temperature, no top-p), the same with speculation on or off. Position i: token
+    token_ids[i] had logprob logprobs[i]; top_ids[i] / top_logprobs[i] are the most likely tokens
+    there, most likely first (as many as the request asked for)."""
+
+    token_ids: list[TokenId] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[TokenId]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def validate(self, limits: Limits) -> None:
+        n = len(self.token_ids)
+        if not len(self.logprobs) == len(self.top_ids) == len(self.top_logprobs) == n:
+            raise bad_request(f"logprobs: {n} tokens need as many 'logprobs', 'top_ids' and 'top_logprobs'")
+        if any(len(i) != len(v) or len(i) > MAX_LOGPROBS for i, v in zip(self.top_ids, self.top_logprobs)):
+            raise bad_request(f"logprobs: 'top_ids' and 'top_logprobs' differ, or exceed {MAX_LOGPROBS} per position")
+
+    def __add__(self, other: "Logprobs") -> "Logprobs":
+        return Logprobs(token_ids=self.token_ids + other.token_ids, logprobs=self.logprobs + other.logprobs,
+                        top_ids=self.top_ids + other.top_ids, top_logprobs=self.top_logprobs + other.top_logprobs)
+
+    def __getitem__(self, part: slice) -> "Logprobs":
+        return Logprobs(token_ids=self.token_ids[part], logprobs=self.logprobs[part], top_ids=self.top_ids[part],
+                        top_logprobs=self.top_logprobs[part])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +169,9 @@ class GenerateReply:
     usage: Usage
     spec: SpecStats
     timing: Timing
+    logprobs: Logprobs | None = None  # of token_ids, when the request asked for logprobs
+    prompt_logprobs: Logprobs | None = None  # of the prompt's tokens from the second on, when asked for
+    prompt_token_ids: list[TokenId] | None = None  # the whole prompt, with prompt_logprobs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +186,9 @@ class StreamChunk:
     usage: Usage | None = None
     spec: SpecStats | None = None
     timing: Timing | None = None
+    logprobs: Logprobs | None = None  # of this chunk's token_ids, when the request asked for logprobs
+    prompt_logprobs: Logprobs | None = None  # on the first chunk with tokens, when the request asked for them
+    prompt_token_ids: list[TokenId] | None = None  # the whole prompt, with prompt_logprobs
 
     def validate(self, limits: Limits) -> None:
         summary = (self.finish_reason, self.usage, self.spec, self.timing)

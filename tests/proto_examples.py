@@ -10,9 +10,12 @@ from baton.proto.errors import ErrorCode, ErrorDetail, ErrorReply
 USAGE = public.Usage(prompt_tokens=6, completion_tokens=3)
 SPEC = public.SpecStats(verify_steps=2, drafted=6, accepted=1)
 TIMING = public.Timing(ttft_ms=12.5, total_ms=31.0)
-SAMPLING = internal.SamplingParams(temperature=0.7, top_p=0.9, seed=2**64 - 1, stop_token_ids=[2], draft_tokens=2)
+SAMPLING = internal.SamplingParams(temperature=0.7, top_p=0.9, seed=2**64 - 1, stop_token_ids=[2], draft_tokens=2,
+                                   logprobs=3, prompt_logprobs=1)
 CAPACITY = internal.Capacity(total_pages=4096, page_size=16, total_slots=64, max_seq_len=4096)
 LOAD = internal.WorkerLoad(free_pages=3900, free_slots=60, active_requests=4, queued_prompt_tokens=0)
+LOGPROBS = public.Logprobs(token_ids=[412, 9], logprobs=[-0.25, -1.5], top_ids=[[412, 7], [3, 9]],
+                           top_logprobs=[[-0.25, -2.0], [-1.0, -1.5]])
 REGISTRATION = internal.WorkerRegistration(
     worker_id="decode-0", instance_id="5f0c3a9e1b7d42c8", role="decode",
     manifest={"components": [{"name": "target_full", "kind": "FULL", "layers": [2, 5], "item_bytes": 8192}],
@@ -26,8 +29,14 @@ EXAMPLES = [
     public.GenerateReply(request_id="r-1", token_ids=[412, 9, 77], text=" that is the", finish_reason="length",
                          usage=USAGE, spec=SPEC, timing=TIMING),
     public.StreamChunk(request_id="r-1", token_ids=[412], text=" that"),
+    public.GenerateReply(request_id="r-2", token_ids=[412, 9], text=" that is", finish_reason="length",
+                         usage=USAGE, spec=SPEC, timing=TIMING, logprobs=LOGPROBS, prompt_logprobs=LOGPROBS,
+                         prompt_token_ids=[5, 412, 9]),
+    public.StreamChunk(request_id="r-2", token_ids=[412, 9], text=" that is", logprobs=LOGPROBS,
+                       prompt_logprobs=LOGPROBS[:1], prompt_token_ids=[5, 412]),
     public.StreamChunk(request_id="r-1", token_ids=[], text="", finished=True, finish_reason="stop",
                        usage=USAGE, spec=public.SpecStats(), timing=TIMING),
+    public.GenerateRequest(prompt="To be", logprobs=20, prompt_logprobs=0),
     public.CancelRequest(request_id="r-1"),
     public.CancelReply(request_id="r-1", cancelled=False),
     ErrorReply(error=ErrorDetail(code=ErrorCode.BUSY, message="cluster full")),
@@ -51,6 +60,7 @@ EXAMPLES = [
     internal.ReserveReply(request_id="r-1", decode_worker_id="decode-0", allocation={"pages": [1, 2], "slot": 3}),
     internal.ReleaseRequest(request_id="r-1", reason="client cancelled"),
     internal.TokenChunk(request_id="r-1", seq=0, token_ids=[412, 9]),
+    internal.TokenChunk(request_id="r-2", seq=0, token_ids=[412, 9], logprobs=LOGPROBS),
     internal.TokenChunk(request_id="r-1", seq=1, token_ids=[77], finished=True, finish_reason="length",
                         spec=SPEC, timing=TIMING),
     internal.PrefillDispatch(request_id="r-1", token_ids=[5, 6, 7], sampling=SAMPLING),
@@ -58,6 +68,8 @@ EXAMPLES = [
                            decode_allocation={"pages": [1, 2], "slot": 3}, transfer_plan={"pairs": []}),
     internal.PrefillDone(request_id="r-1", first_token_id=412, transfer_bytes=1 << 20, prefill_ms=8.0,
                          transfer_ms=0.4),
+    internal.PrefillDone(request_id="r-2", first_token_id=412, transfer_bytes=1 << 20, prefill_ms=8.0,
+                         transfer_ms=0.4, prompt_logprobs=LOGPROBS),
 ]
 
 

@@ -1,11 +1,14 @@
 """The OpenAI wire format without sockets: parsing into GenerateRequest, the chat template, answers
 and stream chunks, and the error-code -> HTTP status table."""
+from pathlib import Path
+
 import pytest
 
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.public import GenerateReply, SpecStats, StreamChunk, Timing, Usage
+from baton.proto.public import GenerateReply, Logprobs, SpecStats, StreamChunk, Timing, Usage
 from baton.services.http import api
 from baton.services.http.api import HttpError
+from baton.services.http.logprobs import Vocab
 
 pytestmark = pytest.mark.unit
 MODEL = "baton-tiny"
@@ -54,8 +57,11 @@ def test_chat_template_is_a_play_script():
     ({"prompt": [1, -2]}, "prompt", 400),
     ({"prompt": "x", "model": "gpt-4"}, "model", 404),
     ({"prompt": "x", "n": 2}, "n", 400),
-    ({"prompt": "x", "echo": True}, "echo", 400),
-    ({"prompt": "x", "logprobs": 2}, "logprobs", 400),
+    ({"prompt": "x", "echo": True, "logprobs": 2}, None, None),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", 400),
+    ({"prompt": "x", "logprobs": -1}, "logprobs", 400),
+    ({"prompt": "x", "logprobs": True}, "logprobs", 400),
+    ({"prompt": "x", "echo": 1}, "echo", 400),
     ({"prompt": "x", "best_of": 3}, "best_of", 400),
     ({"prompt": "x", "ignore_eos": True}, None, None),  # vLLM's extension, supported (aiperf sends it)
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos", 400),
@@ -148,3 +154,107 @@ def test_stream_chunks():
     plain = api.parse_completion({"prompt": "x", "stream": True}, MODEL)
     assert api.first_chunks(plain) == []
     assert "usage" not in api.stream_chunks(plain, StreamChunk(request_id="r", token_ids=[5], text=" to"))[0]
+
+
+# --- logprobs and echo ------------------------------------------------------------------------
+MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "baton-tiny"
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Vocab:
+    return Vocab(MODEL_DIR)
+
+
+def test_logprob_fields_map_to_the_request():
+    r = api.parse_completion({"prompt": "x", "logprobs": 0}, MODEL).request
+    assert (r.logprobs, r.prompt_logprobs) == (0, None)  # 0: the chosen token's logprob, not "off"
+    r = api.parse_completion({"prompt": "x", "logprobs": 3, "echo": True}, MODEL).request
+    assert (r.logprobs, r.prompt_logprobs) == (3, 3)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert api.parse_chat({**chat, "logprobs": True, "top_logprobs": 5}, MODEL, 8).request.logprobs == 5
+    assert api.parse_chat({**chat, "logprobs": True}, MODEL, 8).request.logprobs == 0
+    assert api.parse_chat({**chat, "logprobs": False}, MODEL, 8).request.logprobs is None
+    with pytest.raises(HttpError, match="top_logprobs"):
+        api.parse_chat({**chat, "top_logprobs": 2}, MODEL, 8)
+    with pytest.raises(HttpError, match="top_logprobs"):
+        api.parse_chat({**chat, "logprobs": True, "top_logprobs": 21}, MODEL, 8)
+
+
+def logprob_reply(vocab: Vocab) -> GenerateReply:
+    ids = vocab.tokenizer.encode(" to be")
+    prompt = vocab.tokenizer.encode("Ay, and")
+    lp = Logprobs(token_ids=ids, logprobs=[-0.25] * len(ids), top_ids=[[ids[0]] + [9]] * len(ids),
+                  top_logprobs=[[-0.25, -2.0]] * len(ids))
+    plp = Logprobs(token_ids=prompt[1:], logprobs=[-1.5] * (len(prompt) - 1), top_ids=[[7]] * (len(prompt) - 1),
+                   top_logprobs=[[-0.5]] * (len(prompt) - 1))
+    return GenerateReply(request_id="r", token_ids=ids, text=" to be", finish_reason="length",
+                         usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(ids)), spec=SpecStats(),
+                         timing=Timing(ttft_ms=1.0, total_ms=2.0), logprobs=lp, prompt_logprobs=plp,
+                         prompt_token_ids=prompt)
+
+
+def test_completion_logprobs_with_echo_have_the_legacy_shape(vocab):
+    reply = logprob_reply(vocab)
+    call = api.parse_completion({"prompt": "Ay, and", "logprobs": 1, "echo": True}, MODEL)
+    choice, = api.response(call, reply, vocab)["choices"]
+    assert choice["text"] == "Ay, and to be"
+    lp, n_prompt = choice["logprobs"], len(reply.prompt_token_ids)
+    assert lp["tokens"] == [vocab.text(t) for t in reply.prompt_token_ids + reply.token_ids]
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["token_logprobs"] == [None] + [-1.5] * (n_prompt - 1) + [-0.25] * len(reply.token_ids)
+    assert lp["top_logprobs"][0] is None
+    # the chosen token is in each map, as in vLLM, next to the most likely ones
+    assert lp["top_logprobs"][1] == {vocab.text(7): -0.5, vocab.text(reply.prompt_token_ids[1]): -1.5}
+    assert lp["top_logprobs"][n_prompt] == {vocab.text(reply.token_ids[0]): -0.25, vocab.text(9): -2.0}
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+
+
+def test_completion_logprobs_without_echo_cover_the_completion_only(vocab):
+    reply = logprob_reply(vocab)
+    call = api.parse_completion({"prompt": "Ay, and", "logprobs": 1}, MODEL)
+    choice, = api.response(call, reply, vocab)["choices"]
+    assert choice["text"] == " to be" and choice["logprobs"]["token_logprobs"] == [-0.25] * len(reply.token_ids)
+
+
+def test_echo_of_token_ids_decodes_the_prompt(vocab):
+    reply = logprob_reply(vocab)
+    call = api.parse_completion({"prompt": reply.prompt_token_ids, "echo": True}, MODEL)
+    assert call.needs_vocab
+    choice, = api.response(call, reply, vocab)["choices"]
+    assert choice["text"] == "Ay, and to be" and choice["logprobs"] is None
+
+
+def test_chat_logprobs_have_the_chat_shape(vocab):
+    reply = logprob_reply(vocab)
+    call = api.parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
+                          MODEL, 8)
+    content = api.response(call, reply, vocab)["choices"][0]["logprobs"]["content"]
+    first = reply.token_ids[0]
+    assert content[0] == {"token": vocab.text(first), "logprob": -0.25, "bytes": list(vocab.text(first).encode()),
+                          "top_logprobs": [{"token": vocab.text(first), "logprob": -0.25,
+                                            "bytes": list(vocab.text(first).encode())},
+                                           {"token": vocab.text(9), "logprob": -2.0, "bytes": vocab.raw_bytes(9)}]}
+    assert len(content) == len(reply.token_ids)
+
+
+def test_raw_bytes_of_tokens_rebuild_the_text_even_inside_a_character(vocab):
+    text = "héllo wörld — ✓"
+    ids = vocab.tokenizer.encode(text)
+    assert any(vocab.text(t) == "\ufffd" for t in ids)  # some token holds part of a character
+    assert bytes(b for t in ids for b in vocab.raw_bytes(t)).decode() == text
+
+
+def test_streamed_echo_comes_once_and_offsets_run_on(vocab):
+    reply = logprob_reply(vocab)
+    call = api.parse_completion({"prompt": "Ay, and", "logprobs": 0, "echo": True, "stream": True}, MODEL)
+    state = api.StreamState()
+    ids, lp = reply.token_ids, reply.logprobs
+    first = StreamChunk(request_id="r", token_ids=ids[:1], text=vocab.text(ids[0]), logprobs=lp[:1],
+                        prompt_logprobs=reply.prompt_logprobs, prompt_token_ids=reply.prompt_token_ids)
+    second = StreamChunk(request_id="r", token_ids=ids[1:], text=vocab.tokenizer.decode(ids[1:]), logprobs=lp[1:])
+    a, = api.stream_chunks(call, first, vocab, state)
+    b, = api.stream_chunks(call, second, vocab, state)
+    assert a["choices"][0]["text"] + b["choices"][0]["text"] == "Ay, and to be"
+    offsets = a["choices"][0]["logprobs"]["text_offset"] + b["choices"][0]["logprobs"]["text_offset"]
+    tokens = a["choices"][0]["logprobs"]["tokens"] + b["choices"][0]["logprobs"]["tokens"]
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.internal import SamplingParams, TokenChunk
-from baton.proto.public import SpecStats, Timing
+from baton.proto.internal import PrefillDone, SamplingParams, TokenChunk
+from baton.proto.public import Logprobs, SpecStats, Timing
 from baton.services.router.flow import AttemptLost, DecodeLost, Flow, RouterTimeouts, continued
 
 pytestmark = pytest.mark.unit
@@ -26,13 +26,52 @@ def chunk(seq: int, ids: list[int], finished: bool = False) -> TokenChunk:
 async def relay(f: Flow, *events) -> list[list[int]]:
     for event in events:
         f.events.put_nowait(event)
-    return [ids async for ids in f._relay()]
+    return [ids async for ids, _ in f._relay()]
 
 
 def test_a_prefill_failure_after_decode_started_does_not_end_the_stream():
     f = flow()
     got = asyncio.run(relay(f, ("chunk", chunk(0, [5])), ("prefill_error", LATE), ("chunk", chunk(1, [6], True))))
     assert got == [[5], [6]] and f.outcome.finish_reason == "length"
+
+
+def with_prompt_logprobs() -> Flow:
+    return Flow(None, None, None, RouterTimeouts(first_token_s=2, idle_s=2), "r", [1, 2], 4,
+                SamplingParams(prompt_logprobs=1), None)
+
+
+def test_chunks_wait_for_the_prompt_logprobs_when_they_are_asked_for():
+    f = with_prompt_logprobs()
+    prompt = Logprobs(token_ids=[2], logprobs=[-0.5], top_ids=[[2]], top_logprobs=[[-0.5]])
+    done = PrefillDone(request_id="r", first_token_id=5, transfer_bytes=1, prefill_ms=1.0, transfer_ms=1.0,
+                       prompt_logprobs=prompt)
+    seen = []
+
+    async def run():
+        for event in (("chunk", chunk(0, [5])), ("chunk", chunk(1, [6]))):
+            f.events.put_nowait(event)
+        async for ids, _ in f._relay():
+            seen.append((ids, f.prompt_logprobs))  # set before the first tokens reach the caller
+            if len(seen) == 2:
+                return
+        raise AssertionError("the relay ended early")
+
+    async def main():
+        task = asyncio.create_task(run())
+        async with asyncio.timeout(2):
+            while not f.events.empty():  # the relay has taken both chunks
+                await asyncio.sleep(0)
+        assert not seen  # and holds them: prefill's reply has not come
+        f.events.put_nowait(("prefilled", done))
+        await asyncio.wait_for(task, 2)
+
+    asyncio.run(main())
+    assert seen == [([5], prompt), ([6], prompt)]
+
+
+def test_a_prefill_failure_while_chunks_wait_for_the_prompt_logprobs_loses_the_attempt():
+    with pytest.raises(AttemptLost):
+        asyncio.run(relay(with_prompt_logprobs(), ("chunk", chunk(0, [5])), ("prefill_error", LATE)))
 
 
 def test_a_prefill_failure_before_the_first_token_loses_the_attempt():

@@ -26,6 +26,7 @@ from typing import AsyncIterator
 import torch
 
 from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.public import Logprobs
 from baton.shared.engine.runner import ModelRunner, SpecConfig
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
@@ -105,6 +106,8 @@ class Job:
         self.outcome = Outcome()
         self.served_by = "aggregated"  # for the router's request log (Flow names its worker pair)
         self.prefill_done = None  # no separate prefill step to time
+        self.prompt_logprobs = None  # set at prefill when asked for, before the first tokens
+        self.sent = 0  # tokens pushed so far
         self.at = Stamps()  # the router adds "received"; the engine has no hops to stamp
         self.migrated_after = 0  # one process: a request never moves to other workers
         self.abort = ""  # set by cancel(); the loop reaps the job at the next turn
@@ -127,8 +130,9 @@ class Job:
     def worker_left(self, worker_id: str, reason: str) -> None:
         """Flow's hook for a departed worker: an in-process job has none."""
 
-    async def tokens(self) -> AsyncIterator[list[int]]:
-        """Token ids as they are generated; afterwards `outcome` says how the request ended.
+    async def tokens(self) -> AsyncIterator[tuple[list[int], Logprobs | None]]:
+        """(token ids, their logprobs if asked for) as they are generated; afterwards `outcome`
+        says how the request ended.
         Closing it early (the client went away) cancels the job."""
         try:
             while True:
@@ -148,7 +152,10 @@ class Job:
     # --- called by the engine loop ------------------------------------------------------------
     def _push(self, tokens: list[int]) -> None:
         if tokens:
-            self._events.put_nowait(("tokens", tokens))
+            reported = self.seq.output_logprobs
+            logprobs = None if reported is None else reported[self.sent:self.sent + len(tokens)]
+            self.sent += len(tokens)
+            self._events.put_nowait(("tokens", (tokens, logprobs)))
 
     def _end(self, finish_reason: str) -> None:
         if not self.done:
@@ -197,9 +204,11 @@ class AggregatedEngine:
         self.thread.close()
 
     async def submit(self, request_id: str, prompt: list[int], max_tokens: int, params: SamplingParams,
-                     stop_token_ids: list[int] = (), draft_tokens: int | None = None, min_tokens: int = 0) -> Job:
+                     stop_token_ids: list[int] = (), draft_tokens: int | None = None, min_tokens: int = 0,
+                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> Job:
         """Reserve KV for the request (busy when full) and queue it for prefill; `draft_tokens`
-        caps speculation for this request, `min_tokens` delays its stop tokens (see Sequence).
+        caps speculation for this request, `min_tokens` delays its stop tokens, `logprobs` and
+        `prompt_logprobs` ask for the tokens' logprobs (see Sequence).
 
         Seeds as in the disaggregated system: the first token is drawn with `params.seed`
         (prefill's stream), later ones with the seed salted as decode salts it, so a seeded
@@ -207,7 +216,8 @@ class AggregatedEngine:
         if self._closed:
             raise BatonError(ErrorCode.UNAVAILABLE, "the service is shutting down")
         seq = Sequence(request_id, list(prompt), max_tokens, params, frozenset(stop_token_ids),
-                       draft_tokens=draft_tokens, min_tokens=min_tokens)
+                       draft_tokens=draft_tokens, min_tokens=min_tokens, logprobs=logprobs,
+                       prompt_logprobs=prompt_logprobs)
         decode_gen = None
         if not params.greedy:
             decode_gen = seq.gen if params.seed is None else \
@@ -297,6 +307,7 @@ class AggregatedEngine:
             seq = job.seq
             tail = out.hidden[-self.window:] if state == "rebuild" else out.hidden[-1:]
             self.runner.start_decode(seq, out.first_token, tail, state)
+            job.prompt_logprobs = out.prompt_logprobs
             seq.gen = job.decode_gen  # decode draws from its own stream (see submit)
 
     def _free(self, request_ids: list[str]) -> None:

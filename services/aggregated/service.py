@@ -48,7 +48,8 @@ class AggregatedService(Router):
     async def _open_flow(self, request_id: str, ids: list[int], max_tokens: int, sampling) -> Job:
         params = SamplingParams(sampling.temperature, sampling.top_p, sampling.seed)
         return await self.engine.submit(request_id, ids, max_tokens, params, list(sampling.stop_token_ids),
-                                        sampling.draft_tokens, sampling.min_tokens)
+                                        sampling.draft_tokens, sampling.min_tokens, sampling.logprobs,
+                                        sampling.prompt_logprobs)
 
 
 async def open_service(bus: Bus, args_or_config) -> AggregatedService:

@@ -50,6 +50,7 @@ class Request:
     reserved_at: float
     aux_address: int  # where prefill writes this request's aux row (our memory)
     chunks: int = 0
+    sent: int = 0  # tokens streamed so far
     first_token_at: float | None = None
     abort: str = ""  # set by release: leave the batch at the next step boundary
     released_as: str = "abort"  # the finish reason a release gives ("stop": the router matched a stop string)
@@ -133,7 +134,7 @@ class DecodeWorker:
         seed = None if s.seed is None else (s.seed ^ DECODE_SEED_SALT) % 2**64
         seq = Sequence(msg.request_id, list(msg.token_ids), msg.max_tokens,
                        SamplingParams(s.temperature, s.top_p, seed), frozenset(s.stop_token_ids),
-                       draft_tokens=s.draft_tokens, min_tokens=s.min_tokens)
+                       draft_tokens=s.draft_tokens, min_tokens=s.min_tokens, logprobs=s.logprobs)
         tag = request_tag(msg.request_id)
         if tag in self.requests:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {msg.request_id} is already reserved here")
@@ -214,13 +215,13 @@ class DecodeWorker:
                 if req.abort:
                     await self._finish(event.tag, req, "abort")
                     continue
-                # The first token is streamed before the engine takes the request: the row is
-                # complete (every WRITE landed) and only this request's, so reading it here is safe.
-                req.first_token_at = time.monotonic()
-                await self._publish(req, [first_token_at(req.aux_address)])
-                req.at.mark("first_chunk")
-                await asyncio.sleep(0)  # nats-py writes it on the next turn: before the engine takes the GIL
-                await self.engine.call(self._start, req)
+                if req.seq.logprobs is None:
+                    await self._publish_first(req, first_token_at(req.aux_address))
+                    await asyncio.sleep(0)  # nats-py writes it on the next turn: before the engine takes the GIL
+                    await self.engine.call(self._start, req)
+                else:  # its logprobs come from the aux row's hidden state, which _start reads
+                    await self.engine.call(self._start, req)
+                    await self._publish_first(req, req.seq.output[0])
                 req.started = True
                 req.at.mark("started")
                 self.wake.set()
@@ -231,6 +232,14 @@ class DecodeWorker:
             elif event.kind is EventKind.RELEASE:
                 self.store.free(req.seq.request_id)  # never started: no step holds it
                 self.requests.pop(event.tag, None)
+
+    async def _publish_first(self, req: Request, token: int) -> None:
+        """The first token is streamed before the engine takes the request (unless its logprobs
+        are asked for): the row is complete (every WRITE landed) and only this request's, so
+        reading it on the loop is safe."""
+        req.first_token_at = time.monotonic()
+        await self._publish(req, [token])
+        req.at.mark("first_chunk")
 
     def _start(self, req: Request) -> None:
         """Engine thread: read the aux row prefill wrote and hand the request to the step loop."""
@@ -286,9 +295,13 @@ class DecodeWorker:
             first = req.first_token_at or now
             summary = dict(finish_reason=finish_reason, spec=SpecStats(**req.seq.stats.as_dict()),
                            timing=Timing(ttft_ms=(first - req.reserved_at) * 1000, total_ms=(now - req.reserved_at) * 1000))
+        reported = req.seq.output_logprobs
+        if reported is not None and tokens:
+            summary["logprobs"] = reported[req.sent:req.sent + len(tokens)]
         chunk = TokenChunk(request_id=req.seq.request_id, seq=req.chunks, token_ids=tokens,
                            finished=finish_reason is not None, **summary)
         req.chunks += 1
+        req.sent += len(tokens)
         try:
             probe = f"{self.probe_prefix}.{request_tag(req.seq.request_id)}"
             await self.bus.publish(req.stream, chunk, reply=probe)

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.public import MAX_DRAFT_TOKENS, GenerateReply, GenerateRequest, StreamChunk, Usage
+from baton.proto.public import MAX_DRAFT_TOKENS, MAX_LOGPROBS, GenerateReply, GenerateRequest, StreamChunk, Usage
+
+from .logprobs import Vocab, chat_logprobs, completion_logprobs
 
 # Baton error code -> (HTTP status, OpenAI error type). busy is 429 so clients back off and retry
 # (the openai client does, honouring Retry-After); a missing router is 503. duplicate_worker is
@@ -60,6 +62,7 @@ class Call:
     request: GenerateRequest
     include_usage: bool = False  # stream_options.include_usage
     return_token_ids: bool = False  # vLLM's extension: choices carry "token_ids"
+    echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, when asked for)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -70,6 +73,19 @@ class Call:
     @property
     def stream(self) -> bool:
         return self.request.stream
+
+    @property
+    def needs_vocab(self) -> bool:
+        """Token ids must be turned into text here: for logprobs, or to echo a prompt of ids."""
+        return self.request.logprobs is not None or (self.echo and self.request.prompt is None)
+
+
+@dataclass
+class StreamState:
+    """What a streamed answer carries from chunk to chunk: how much text went out (completions'
+    text_offset counts from the start of the answer) and whether the echo was sent."""
+    offset: int = 0
+    echoed: bool = False
 
 
 # --- parsing ---------------------------------------------------------------------------------
@@ -153,9 +169,9 @@ def parse_completion(body: dict, served_model: str) -> Call:
     either (OpenAI's batch form with one prompt)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    for name in ("echo", "logprobs", "suffix"):
-        _unsupported(body, name)
+    _unsupported(body, "suffix")
     _unsupported(body, "best_of", (None, 1))
+    logprobs, echo = _top(body, "logprobs"), _get(body, "echo", bool, False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -171,8 +187,17 @@ def parse_completion(body: dict, served_model: str) -> Call:
     else:
         raise bad("'prompt': expected a string or an array of token ids", "prompt")
     max_tokens = _get(body, "max_tokens", int, COMPLETION_DEFAULT_MAX_TOKENS)
-    request = GenerateRequest(**fields, **_common(body, served_model, max_tokens))
-    return Call("completion", body.get("model") or served_model, request, **_options(body))
+    request = GenerateRequest(**fields, **_common(body, served_model, max_tokens), logprobs=logprobs,
+                              prompt_logprobs=logprobs if echo else None)
+    return Call("completion", body.get("model") or served_model, request, echo=echo, **_options(body))
+
+
+def _top(body: dict, name: str) -> int | None:
+    """A count of most likely alternatives per token, 0 .. MAX_LOGPROBS."""
+    value = _get(body, name, int)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise bad(f"'{name}': must be between 0 and {MAX_LOGPROBS}, got {value}", name)
+    return value
 
 
 ROLES = {"system": "SYSTEM", "developer": "SYSTEM", "user": "USER", "assistant": "ASSISTANT"}
@@ -211,14 +236,19 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int) -> Call:
     """POST /v1/chat/completions: messages rendered by `render_chat` into one text prompt."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    _unsupported(body, "logprobs")
-    _unsupported(body, "top_logprobs")
     _unsupported(body, "tool_choice", (None, "none", "auto"))
+    top = _top(body, "top_logprobs")
+    if _get(body, "logprobs", bool, False):
+        logprobs = top or 0
+    elif top:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    else:
+        logprobs = None
     prompt = render_chat(body.get("messages"))
     max_tokens = _get(body, "max_completion_tokens", int)  # 0 is a value (refused below), not "unset"
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, default_max_tokens)
-    request = GenerateRequest(prompt=prompt, **_common(body, served_model, max_tokens))
+    request = GenerateRequest(prompt=prompt, **_common(body, served_model, max_tokens), logprobs=logprobs)
     return Call("chat", body.get("model") or served_model, request, **_options(body))
 
 
@@ -235,24 +265,48 @@ def usage(u: Usage | None) -> dict[str, int] | None:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
-def _choice(call: Call, text: str, token_ids: list[int], finish_reason: str | None, delta: bool) -> dict:
+def _choice(call: Call, text: str, token_ids: list[int], finish_reason: str | None, delta: bool,
+            logprobs: dict | None = None) -> dict:
     reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
     if call.kind == "chat":
         body = {"delta": {"content": text} if text or not reason else {}} if delta else \
             {"message": {"role": "assistant", "content": text}}
-        choice = {"index": 0, **body, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, **body, "logprobs": logprobs, "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
     if call.return_token_ids:
         choice["token_ids"] = token_ids
     return choice
 
 
-def response(call: Call, reply: GenerateReply) -> dict[str, Any]:
-    """The non-streaming answer."""
+def _shaped(call: Call, part: GenerateReply | StreamChunk, vocab: Vocab | None, state: StreamState) -> tuple[str, dict | None]:
+    """A reply's (or chunk's) text and logprobs in the caller's shape; with echo, the first part
+    also carries the prompt."""
+    text, logprobs = part.text, None
+    echo = call.echo and not state.echoed and (part.token_ids or isinstance(part, GenerateReply))
+    if echo:
+        state.echoed = True
+        prompt = call.request.prompt if call.request.prompt is not None else vocab.tokenizer.decode(call.request.token_ids)
+        text = prompt + text
+    if call.request.logprobs is None or part.logprobs is None:
+        pass
+    elif call.kind == "chat":
+        logprobs = chat_logprobs(vocab, part.logprobs)
+    else:
+        shown, first = part.logprobs, None
+        if echo and part.prompt_logprobs is not None:
+            shown, first = part.prompt_logprobs + part.logprobs, part.prompt_token_ids[0]
+        logprobs = completion_logprobs(vocab, shown, state.offset, first)
+    state.offset += len(text)
+    return text, logprobs
+
+
+def response(call: Call, reply: GenerateReply, vocab: Vocab | None = None) -> dict[str, Any]:
+    """The non-streaming answer; `vocab` decodes token ids (Call.needs_vocab)."""
+    text, logprobs = _shaped(call, reply, vocab, StreamState())
     return {"id": call.response_id, "object": "chat.completion" if call.kind == "chat" else "text_completion",
             "created": call.created, "model": call.model,
-            "choices": [_choice(call, reply.text, reply.token_ids, reply.finish_reason, delta=False)],
+            "choices": [_choice(call, text, reply.token_ids, reply.finish_reason, delta=False, logprobs=logprobs)],
             "usage": usage(reply.usage), "system_fingerprint": None}
 
 
@@ -272,12 +326,15 @@ def first_chunks(call: Call) -> list[dict[str, Any]]:
     return [_chunk(call, [choice])]
 
 
-def stream_chunks(call: Call, chunk: StreamChunk) -> list[dict[str, Any]]:
+def stream_chunks(call: Call, chunk: StreamChunk, vocab: Vocab | None = None,
+                  state: StreamState | None = None) -> list[dict[str, Any]]:
     """OpenAI chunks for one Baton StreamChunk: a text delta, the finish, and (when asked) usage."""
     out = []
     if chunk.text or chunk.token_ids or chunk.finished:
-        out.append(_chunk(call, [_choice(call, chunk.text, list(chunk.token_ids),
-                                         chunk.finish_reason if chunk.finished else None, delta=True)]))
+        text, logprobs = _shaped(call, chunk, vocab, state if state is not None else StreamState())
+        out.append(_chunk(call, [_choice(call, text, list(chunk.token_ids),
+                                         chunk.finish_reason if chunk.finished else None, delta=True,
+                                         logprobs=logprobs)]))
     if chunk.finished and call.include_usage:
         out.append(_chunk(call, [], usage(chunk.usage)))
     return out

@@ -69,6 +69,7 @@ class Frontend:
         self.created = int(time.time())
         self.metrics = Metrics()
         self.api_keys = [k.encode() for k in cfg.http_api_keys()]
+        self._vocab: api.Vocab | None = None  # loaded on the first request that needs it
         self._router_seen = 0.0  # monotonic time a router last answered the health probe
         self._background: set[asyncio.Task] = set()
 
@@ -129,7 +130,8 @@ class Frontend:
         else:
             reply = await self._unary(call)
             self.metrics.tokens.labels(route).inc(reply.usage.completion_tokens)
-            response = web.json_response(api.response(call, reply), headers={"X-Request-Id": call.request.request_id})
+            response = web.json_response(api.response(call, reply, self.vocab(call)),
+                                         headers={"X-Request-Id": call.request.request_id})
         self.metrics.latency.labels(route).observe(time.monotonic() - started)
         return response
 
@@ -160,8 +162,9 @@ class Frontend:
                 await response.prepare(request)
                 for event in api.first_chunks(call):
                     await _send(response, event)
+                vocab, state = self.vocab(call), api.StreamState()
                 while True:
-                    for event in api.stream_chunks(call, chunk):
+                    for event in api.stream_chunks(call, chunk, vocab, state):
                         await _send(response, event)
                     self.metrics.tokens.labels(route).inc(len(chunk.token_ids))
                     if chunk.finished:
@@ -185,6 +188,12 @@ class Frontend:
         finally:
             if not finished:
                 self._cancel(rid)
+
+    def vocab(self, call: api.Call) -> api.Vocab | None:
+        """The tokenizer's strings, for the calls that need token ids turned into text."""
+        if call.needs_vocab and self._vocab is None:
+            self._vocab = api.Vocab(self.cfg.model.path)
+        return self._vocab
 
     def _cancel(self, request_id: str) -> None:
         """Cancel in the background: this handler may itself be being cancelled."""

@@ -226,7 +226,8 @@ class PrefillWorker:
                 job.done.get_loop().call_soon_threadsafe(_fail, job, BatonError(ErrorCode.BUSY, str(exc)))
                 continue
             params = SamplingParams(d.sampling.temperature, d.sampling.top_p, d.sampling.seed)
-            seqs.append((job, Sequence(d.request_id, list(d.token_ids), 1, params)))
+            seqs.append((job, Sequence(d.request_id, list(d.token_ids), 1, params,
+                                       prompt_logprobs=d.sampling.prompt_logprobs)))
         outputs = self.runner.prefill([s for _, s in seqs]) if seqs else []
         targets = [job.target for job, _ in seqs]  # set on the loop thread; read once here
         self._fill_draft_windows([(seq, out, target) for (_, seq), out, target in zip(seqs, outputs, targets)
@@ -266,7 +267,7 @@ class PrefillWorker:
             await self.engine.call(self.store.free, job.request_id)
             _fail(job, staged)
             return
-        await self._send(job, job.target, out.first_token, staged, prefill_ms)
+        await self._send(job, job.target, out, staged, prefill_ms)
 
     async def _stage_when_targeted(self, job: Job, seq: Sequence, out: PrefillOutput,
                                    prefill_ms: float) -> tuple[list[Descriptor] | BatonError, float]:
@@ -301,7 +302,7 @@ class PrefillWorker:
         return [Descriptor(d.component_key, d.layer_index, d.src_offset, d.dst_offset, d.nbytes)
                 for d in target.plan.descriptors(L, src, target.decode_alloc)]
 
-    async def _send(self, job: Job, target: Target, first_token: int, descriptors: list[Descriptor],
+    async def _send(self, job: Job, target: Target, out: PrefillOutput, descriptors: list[Descriptor],
                     prefill_ms: float) -> None:
         rid = job.dispatch.request_id
         job.at.mark("write")
@@ -326,8 +327,9 @@ class PrefillWorker:
             job.done.set_exception(BatonError(ErrorCode.INTERNAL if result.status.value == "failed"
                                               else ErrorCode.UNAVAILABLE, f"transfer of {rid}: {result.error}"))
             return
-        job.done.set_result(PrefillDone(request_id=rid, first_token_id=first_token, transfer_bytes=result.nbytes,
-                                        prefill_ms=prefill_ms, transfer_ms=result.seconds * 1000))
+        job.done.set_result(PrefillDone(request_id=rid, first_token_id=out.first_token, transfer_bytes=result.nbytes,
+                                        prefill_ms=prefill_ms, transfer_ms=result.seconds * 1000,
+                                        prompt_logprobs=out.prompt_logprobs))
 
 
 def _fail(job: Job, error: BatonError) -> None:

@@ -18,7 +18,8 @@ from typing import AsyncIterator
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, PrefillDispatch, PrefillDone, PrefillTarget, ReleaseRequest,
-                                  ReserveReply, ReserveRequest, SamplingParams)
+                                  ReserveReply, ReserveRequest, SamplingParams, TokenChunk)
+from baton.proto.public import Logprobs
 from baton.shared.bus import Bus
 from baton.shared.metrics import Stamps
 
@@ -90,6 +91,7 @@ class Flow:
         self.attempt_id = request_id  # the id decode and prefill see; a retry gets a fresh one
         self.served_by = ""  # "prefill->decode" of the last attempt, for the request log
         self.prefill_done: PrefillDone | None = None  # prefill's own timing, for the request log
+        self.prompt_logprobs: Logprobs | None = None  # from prefill, before the first tokens are yielded
         self.at = Stamps()  # stage times of the last attempt, for the request log
         self.events: asyncio.Queue = asyncio.Queue()
         self.stream_subject = ""  # where decode streams this attempt's TokenChunks
@@ -126,8 +128,10 @@ class Flow:
         elif worker_id == self.prefill_id and not self._prefilled:
             self.events.put_nowait(("prefill_error", error))
 
-    async def tokens(self) -> AsyncIterator[list[int]]:
-        """Yield token ids as decode produces them; `self.outcome` says how it ended. The request
+    async def tokens(self) -> AsyncIterator[tuple[list[int], Logprobs | None]]:
+        """Yield (token ids, their logprobs if asked for) as decode produces them; `self.outcome`
+        says how it ended. With prompt logprobs asked for, `self.prompt_logprobs` is set before the
+        first yield. The request
         first waits its turn in the router's queue (admission.py), and waits again whenever decode
         has no room for it. One attempt that fails is retried, on other workers where there are
         any, with a fresh reservation and a fresh internal id: from the start if it failed before
@@ -142,9 +146,9 @@ class Flow:
                         self.outcome.finish_reason = "abort"
                         return
                     await self._admit()
-                    async for ids in self._relay():
+                    async for ids, logprobs in self._relay():
                         sent += ids
-                        yield ids
+                        yield ids, logprobs
                     return
                 except NoCapacity:
                     await self._end_attempt("no decode capacity")
@@ -291,8 +295,15 @@ class Flow:
         self.at.mark("targeted")
 
     # --- relay ----------------------------------------------------------------------------
-    async def _relay(self) -> AsyncIterator[list[int]]:
+    def _awaits_prompt_logprobs(self) -> bool:
+        return self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    async def _relay(self) -> AsyncIterator[tuple[list[int], Logprobs | None]]:
+        """Chunks arrive in order (`seq` checked); those that come before prefill's reply when the
+        prompt's logprobs (in that reply) are asked for are held until it arrives: nothing reaches
+        the client before them."""
         started, got_first, expected_seq, stopping = time.monotonic(), False, 0, False
+        held: list[TokenChunk] = []
         while True:
             limit = self.timeouts.idle_s if got_first else self.timeouts.first_token_s
             remaining = min(limit, self.timeouts.request_s - (time.monotonic() - started))
@@ -321,21 +332,29 @@ class Flow:
                 raise DecodeLost(value)
             if kind in ("error", "prefill_error", "decode_lost"):
                 raise value if got_first else AttemptLost(value)
-            if kind == "chunk":
-                if value.seq != expected_seq:
+            ready: list[TokenChunk] = []
+            if kind == "prefilled" and self._awaits_prompt_logprobs():
+                self.prompt_logprobs = value.prompt_logprobs or Logprobs()
+                ready, held = held, []
+            elif kind == "chunk" and self._awaits_prompt_logprobs():
+                held.append(value)
+            elif kind == "chunk":
+                ready = [value]
+            for chunk in ready:
+                if chunk.seq != expected_seq:
                     raise BatonError(ErrorCode.INTERNAL, f"request {self.request_id}: token chunk "
-                                     f"{expected_seq} lost (got {value.seq})")
+                                     f"{expected_seq} lost (got {chunk.seq})")
                 expected_seq += 1
-                if value.token_ids and not got_first:
+                if chunk.token_ids and not got_first:
                     self.at.mark("first_chunk")
-                got_first = got_first or bool(value.token_ids)
-                if value.token_ids and not stopping:
-                    yield value.token_ids
-                if value.finished:
-                    self.outcome.finish_reason = value.finish_reason
-                    self.outcome.spec = {"verify_steps": value.spec.verify_steps, "drafted": value.spec.drafted,
-                                         "accepted": value.spec.accepted}
-                    self._released = value.finish_reason != "error"
+                got_first = got_first or bool(chunk.token_ids)
+                if chunk.token_ids and not stopping:
+                    yield chunk.token_ids, chunk.logprobs
+                if chunk.finished:
+                    self.outcome.finish_reason = chunk.finish_reason
+                    self.outcome.spec = {"verify_steps": chunk.spec.verify_steps, "drafted": chunk.spec.drafted,
+                                         "accepted": chunk.spec.accepted}
+                    self._released = chunk.finish_reason != "error"
                     return
 
     async def _release(self, reason: str, finish_reason: str = "abort") -> None:

@@ -15,8 +15,8 @@ from typing import AsyncIterator
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode, bad_request
 from baton.proto.internal import SamplingParams
-from baton.proto.public import (CancelReply, CancelRequest, GenerateReply, GenerateRequest, SpecStats,
-                                StreamChunk, Timing, Usage)
+from baton.proto.public import (CancelReply, CancelRequest, GenerateReply, GenerateRequest, Logprobs, SpecStats,
+                                StreamChunk, Timing, Usage, check_logprob_size)
 from baton.shared.bus import Bus
 from baton.shared.model.config import ModelConfig
 from baton.shared.model.tokenizer import TextTokenizer
@@ -132,6 +132,7 @@ class Router:
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         self._check_context(len(ids), req.max_tokens)
+        check_logprob_size(req, len(ids))
         request_id = req.request_id or uuid.uuid4().hex
         if request_id in self.flows:
             raise bad_request(f"request id {request_id} is already in flight")
@@ -151,15 +152,17 @@ class Router:
         return Flow(self.bus, self.directory, self.tokens, self.config.timeouts, request_id, ids, max_tokens, sampling,
                     self.admission)
 
-    async def _run(self, req: GenerateRequest, request_id: str, ids: list[int]) -> AsyncIterator[tuple]:
-        """Yields (token_ids, text) deltas, then one final ("done", summary fields)."""
+    async def _run(self, req: GenerateRequest, request_id: str, ids: list[int]) -> AsyncIterator[dict]:
+        """Yields StreamChunk fields: deltas (token_ids, text, logprobs; the first one with tokens
+        also the prompt's logprobs, when asked for), then the summary (finished=True ...)."""
         started = time.monotonic()
         received = round(started * 1000, 3)
         stop_ids = list(req.stop_token_ids)
         if self.tokenizer.eos_token_id is not None and not req.ignore_eos:
             stop_ids.append(self.tokenizer.eos_token_id)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                  stop_token_ids=stop_ids, draft_tokens=req.draft_tokens, min_tokens=req.min_tokens)
+                                  stop_token_ids=stop_ids, draft_tokens=req.draft_tokens, min_tokens=req.min_tokens,
+                                  logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
         flow = await self._open_flow(request_id, ids, req.max_tokens, sampling)
         flow.at["received"] = received
         text, n_tokens, ttft = TextStream(self.tokenizer, req.stop, frozenset(stop_ids), req.min_tokens), 0, None
@@ -170,16 +173,17 @@ class Router:
         last_chunk, completed = None, False
         try:
             async with aclosing(flow.tokens()) as tokens:  # closing it releases what the flow holds
-                async for new_ids in tokens:
+                async for new_ids, logprobs in tokens:
                     now = time.monotonic()
                     if last_chunk is not None:
                         self.metrics.itl.observe(now - last_chunk)
                     last_chunk = now
-                    ttft = ttft if ttft is not None else (now - started) * 1000
-                    ids_out, delta = text.add(new_ids)
-                    n_tokens += len(ids_out)
+                    ids_out, delta = text.add(new_ids)  # all of new_ids, or none once a stop string matched
                     if ids_out or delta:
-                        yield ids_out, delta
+                        yield self._delta(ids_out, delta, logprobs if ids_out else None,
+                                          flow if ttft is None else None, ids)
+                    ttft = ttft if ttft is not None else (now - started) * 1000
+                    n_tokens += len(ids_out)
                     if text.stopped and ids_out:  # the chunk that matched: later ones bring no tokens
                         flow.stop()
             completed = True
@@ -206,25 +210,36 @@ class Router:
                     migrated_after=flow.migrated_after or None)
         if outcome.error is not None:
             raise outcome.error
-        yield [], text.finish()
-        yield "done", dict(finish_reason=reason, usage=Usage(prompt_tokens=len(ids), completion_tokens=n_tokens),
-                           spec=SpecStats(**outcome.spec),
-                           timing=Timing(ttft_ms=ttft if ttft is not None else total, total_ms=total))
+        if rest := text.finish():
+            yield dict(token_ids=[], text=rest)
+        yield dict(finished=True, finish_reason=reason, usage=Usage(prompt_tokens=len(ids), completion_tokens=n_tokens),
+                   spec=SpecStats(**outcome.spec), timing=Timing(ttft_ms=ttft if ttft is not None else total, total_ms=total))
+
+    @staticmethod
+    def _delta(ids: list[int], text: str, logprobs: Logprobs | None, first_of: Flow | None, prompt: list[int]) -> dict:
+        """One delta's fields; `first_of`: the flow whose first delta this is (it carries the
+        prompt's logprobs, with the prompt's token ids, when they were asked for)."""
+        delta = dict(token_ids=ids, text=text)
+        if logprobs is not None:
+            delta["logprobs"] = logprobs
+        if first_of is not None and first_of.prompt_logprobs is not None:
+            delta.update(prompt_logprobs=first_of.prompt_logprobs, prompt_token_ids=prompt)
+        return delta
 
     async def _unary(self, req: GenerateRequest) -> GenerateReply:
         req, request_id, ids = await self._prepare(req)
-        tokens, pieces = [], []
-        async for new_ids, value in self._run(req, request_id, ids):
-            if new_ids == "done":
-                return GenerateReply(request_id=request_id, token_ids=tokens, text="".join(pieces), **value)
-            tokens += new_ids
-            pieces.append(value)
+        tokens, pieces, extra = [], [], {}
+        async for fields in self._run(req, request_id, ids):
+            if fields.pop("finished", False):
+                return GenerateReply(request_id=request_id, token_ids=tokens, text="".join(pieces), **fields, **extra)
+            tokens += fields.pop("token_ids")
+            pieces.append(fields.pop("text"))
+            if "logprobs" in fields:
+                extra["logprobs"] = extra.get("logprobs", Logprobs()) + fields.pop("logprobs")
+            extra.update(fields)  # the prompt's logprobs and token ids, from the first delta
         raise BatonError(ErrorCode.INTERNAL, f"request {request_id} ended without a summary")
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
         req, request_id, ids = await self._prepare(req)
-        async for new_ids, value in self._run(req, request_id, ids):
-            if new_ids == "done":
-                yield StreamChunk(request_id=request_id, token_ids=[], text="", finished=True, **value)
-            elif new_ids or value:
-                yield StreamChunk(request_id=request_id, token_ids=new_ids, text=value)
+        async for fields in self._run(req, request_id, ids):
+            yield StreamChunk(request_id=request_id, **{"token_ids": [], "text": "", **fields})

@@ -22,11 +22,11 @@ from itertools import accumulate
 
 import torch
 
-from baton.proto.public import MAX_DRAFT_TOKENS
+from baton.proto.public import MAX_DRAFT_TOKENS, Logprobs
 from baton.shared.kv.store import KVStore
 from baton.shared.model.model import BatonLM
 
-from . import sampling
+from . import logprobs, sampling
 from .attention import Chunk, StoreAttention
 from .sampling import BatchSampling, race
 from .sequence import Sequence
@@ -51,6 +51,7 @@ class SpecConfig:
 class PrefillOutput:
     first_token: int
     hidden: torch.Tensor  # [L, d] target hidden states of the prompt (before the final norm)
+    prompt_logprobs: Logprobs | None = None  # of prompt[1:], when the sequence asks for them
 
 
 class ModelRunner:
@@ -92,7 +93,9 @@ class ModelRunner:
         hidden = [torch.cat(h) for h in hidden]
         last = self.model.logits(torch.stack([h[-1] for h in hidden]))  # [B, V]
         first = BatchSampling(seqs, self.vocab, device=self.device).choose(last).tolist()
-        return [PrefillOutput(t, h) for t, h in zip(first, hidden)]
+        return [PrefillOutput(t, h, None if s.prompt_logprobs is None else
+                              logprobs.prompt_logprobs(self.model.logits, h, s.prompt, s.prompt_logprobs))
+                for s, t, h in zip(seqs, first, hidden)]
 
     @torch.inference_mode()
     def fill_draft_windows(self, seqs: list[Sequence], hiddens: list[torch.Tensor]) -> None:
@@ -118,6 +121,8 @@ class ModelRunner:
             self.store.extend(seq.request_id, L)
         seq.length = L
         seq.emit([first_token])
+        if seq.logprobs is not None:  # h_{L-1} is what prefill sampled the first token from
+            self._report(seq, self.model.logits(hidden_tail[-1:]), [first_token])
         if draft_state == "rebuild":  # recompute the window's draft entries in the first draft forward
             seq.draft_len = max(1, L - hidden_tail.shape[0] + 1)
             seq.draft_floor = seq.draft_len
@@ -133,11 +138,13 @@ class ModelRunner:
         if self.spec.enabled:
             return self._spec_step(seqs)
         out = self._target([Chunk(s.request_id, s.length, 1) for s in seqs], [s.last_token for s in seqs])
-        tokens = BatchSampling(seqs, self.vocab, device=self.device).choose(self.model.logits(out)).tolist()
+        logits = self.model.logits(out)  # [B, V]
+        tokens = BatchSampling(seqs, self.vocab, device=self.device).choose(logits).tolist()
         emitted = []
         for s, t in zip(seqs, tokens):
             s.length += 1
             emitted.append(s.emit([t]))
+        self._report_step(seqs, logits, [[b] for b in range(len(seqs))], [[t] for t in tokens], emitted)
         return emitted
 
     def draft_tokens(self, seq: Sequence) -> int:
@@ -160,7 +167,7 @@ class ModelRunner:
         at = self._host_index([[offsets[b] + min(j, k) for j in range(K + 1)] for b, k in enumerate(ks)])  # [B, K+1]
         accepted, emitted = self._verify(drafts, ks, logits, at, q, draws)
         result = torch.cat((drafts, accepted[:, None], emitted[:, None]), 1).tolist()  # the step's one host sync
-        out = []
+        out, committed = [], []
         for b, (s, k, row) in enumerate(zip(seqs, ks, result)):
             a, bonus = row[K], row[K + 1]
             if k:  # a request without drafts reports no speculation
@@ -169,8 +176,32 @@ class ModelRunner:
             s.length = n + a + 1  # t_n and the accepted drafts are now committed
             self.store.rollback(s.request_id, s.length)
             s.draft_len, s.pending_hidden = n + 1, hidden[offsets[b]:offsets[b] + a + 1]  # h_n .. h_{n+a}
-            out.append(s.emit(row[:a] + [bonus]))
+            committed.append(row[:a] + [bonus])
+            out.append(s.emit(committed[-1]))
+        # verify row offsets[b] + j scored the token committed at chain position j
+        self._report_step(seqs, logits, [[offsets[b] + j for j in range(len(c))] for b, c in enumerate(committed)],
+                          committed, out)
         return out
+
+    def _report_step(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[list[int]],
+                     tokens: list[list[int]], emitted: list[list[int]]) -> None:
+        """Logprobs of what each asking sequence emitted this step, in one pass for the batch:
+        logits [T, V], rows[b] the rows of sequence b's committed tokens tokens[b], of which it
+        emitted the first len(emitted[b]) (a stop or max_tokens may cut the rest)."""
+        asking = [b for b, s in enumerate(seqs) if s.logprobs is not None and emitted[b]]
+        if not asking:
+            return
+        picked = self._host_index([r for b in asking for r in rows[b][:len(emitted[b])]])
+        values = logprobs.logprobs_of(logits[picked], [t for b in asking for t in emitted[b]],
+                                      [seqs[b].logprobs for b in asking for _ in emitted[b]])
+        at = 0
+        for b in asking:
+            n = len(emitted[b])
+            logprobs.extend(seqs[b].output_logprobs, values[at:at + n])
+            at += n
+
+    def _report(self, seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> None:
+        logprobs.extend(seq.output_logprobs, logprobs.logprobs_of(logits, tokens, [seq.logprobs] * len(tokens)))
 
     def _host_index(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

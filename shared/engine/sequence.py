@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton.proto.public import Logprobs
+
 from .sampling import SamplingParams
 
 DECODE_SEED_SALT = 0x5BD1E995  # decode draws from a different stream than prefill's first token
@@ -51,6 +53,8 @@ class Sequence:
     stop_token_ids: frozenset[int] = frozenset()
     draft_tokens: int | None = None  # a cap on the deployment's K for this request (0: no drafts)
     min_tokens: int = 0  # a stop token among the first this many is generated past, not stopped at
+    logprobs: int | None = None  # report each output token's logprob and this many alternatives
+    prompt_logprobs: int | None = None  # prefill reports the same for the prompt's tokens
     output: list[int] = field(default_factory=list)  # generated tokens, the first one included
     length: int = 0  # target KV positions 0..length-1 are committed
     draft_len: int = 0  # draft entries below this position are valid
@@ -59,8 +63,11 @@ class Sequence:
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     gen: torch.Generator | None = None
+    output_logprobs: Logprobs | None = None  # aligned with `output`, when `logprobs` is asked for
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = Logprobs()
         if self.gen is None and not self.params.greedy:
             seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, ()))
             self.gen = torch.Generator().manual_seed(seed)

@@ -35,6 +35,10 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry itself (for byte-level BPE: bytes written in its printable alphabet)."""
+        return self._tok.id_to_token(token_id)
+
 
 def train_bpe(texts: list[str], vocab_size: int, path: str | Path) -> TextTokenizer:
     tok = Tokenizer(models.BPE())
