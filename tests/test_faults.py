@@ -273,27 +273,40 @@ def test_failed_or_unnotified_transfer_ends_with_an_error_and_frees_slots(monkey
         assert_exact(Reference(), p, reply, 10)
 
 
+async def poll_prefills(bus: Bus, done, timeout_s: float = 30.0) -> list:
+    """The registered prefill workers, once `done(workers)` holds (loads come with heartbeats)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = (await bus.request(subjects.LOOKUP, LookupRequest(role="prefill"), LookupReply)).workers
+        if done(workers):
+            return workers
+        assert time.monotonic() < deadline, f"condition not reached within {timeout_s:g} s: {workers}"
+        await asyncio.sleep(0.05)
+
+
 def test_sigterm_of_one_prefill_finishes_its_writes_before_it_leaves(reference, monkeypatch):
     """A prefill stopped with SIGTERM while its WRITEs are in flight (a rolling restart): it takes
     no new prompt, finishes the requests it holds, and deregisters only after their last WRITE
     ended. Decode releases a sender's slots when that sender leaves (nothing it started can still
     land), so leaving first would let a WRITE land in freed slots (sglang #27372)."""
-    monkeypatch.setenv("BATON_TRANSFER_FAULTS", "delay=2")  # every WRITE waits 2 s: a window to stop in
+    monkeypatch.setenv("BATON_TRANSFER_FAULTS", "delay=5")  # every WRITE waits 5 s: a window to stop in
     with running_cluster(prefill=2, decode=1) as cluster:
-        stopped = next(proc for role, proc in cluster.children if role == "prefill")
+        index, stopped = next((i, proc) for i, (role, proc) in enumerate(cluster.children) if role == "prefill")
+        stopped_id = cluster.worker_ids[index]
 
         async def run():
             async with await Bus.connect(cluster.nats_url, "test") as bus:
                 prompts = [prompt(30, s) for s in range(80, 86)]
                 tasks = [asyncio.create_task(outcome(bus, p, 8, request_id=f"rolling-{i}"))
                          for i, p in enumerate(prompts)]
-                await asyncio.sleep(1.0)  # computed on both prefills; their WRITEs wait in the delay
+                # the prefill to stop holds requests (computing, or their WRITEs waiting in the delay)
+                await poll_prefills(bus, lambda ws: any(w.registration.worker_id == stopped_id and
+                                                        w.load.active_requests > 0 for w in ws))
                 stopped.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)
                 # still registered, marked draining, and refusing new prompts
-                prefills = (await bus.request(subjects.LOOKUP, LookupRequest(role="prefill"), LookupReply)).workers
+                prefills = await poll_prefills(bus, lambda ws: any(w.load.draining for w in ws))
                 draining = [w.registration.worker_id for w in prefills if w.load.draining]
-                assert len(prefills) == 2 and len(draining) == 1, prefills
+                assert len(prefills) == 2 and draining == [stopped_id], prefills
                 try:
                     refused = await bus.request(subjects.prefill_dispatch(draining[0]), PrefillDispatch(
                         request_id="to-the-stopped", token_ids=prompt(30, 88), sampling=SamplingParams()), PrefillDone)
