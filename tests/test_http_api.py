@@ -53,10 +53,15 @@ def test_chat_template_is_a_play_script():
 @pytest.mark.parametrize("body, param, status", [
     ({"prompt": ""}, None, None),  # empty prompt: the router refuses it (bad_request from NATS)
     ({"prompt": 3}, "prompt", 400),
-    ({"prompt": ["a", "b"]}, "prompt", 400),
+    ({"prompt": ["a", "b"]}, None, None),  # a batch: one choice per prompt
+    ({"prompt": ["a", 3]}, "prompt", 400),
+    ({"prompt": []}, "prompt", 400),
+    ({"prompt": [[1], []]}, "prompt", 400),
     ({"prompt": [1, -2]}, "prompt", 400),
     ({"prompt": "x", "model": "gpt-4"}, "model", 404),
-    ({"prompt": "x", "n": 2}, "n", 400),
+    ({"prompt": "x", "n": 2}, None, None),
+    ({"prompt": "x", "n": 0}, "n", 400),
+    ({"prompt": ["x"] * 8, "n": 17}, "n", 400),  # 136 choices: over MAX_CHOICES
     ({"prompt": "x", "echo": True, "logprobs": 2}, None, None),
     ({"prompt": "x", "logprobs": 21}, "logprobs", 400),
     ({"prompt": "x", "logprobs": -1}, "logprobs", 400),
@@ -129,12 +134,12 @@ def reply() -> GenerateReply:
 
 def test_answers_have_the_openai_shape():
     call = api.parse_completion({"prompt": "x", "return_token_ids": True}, MODEL)
-    body = api.response(call, reply())
+    body = api.response(call, [reply()])
     assert body["object"] == "text_completion" and body["model"] == MODEL
     assert body["choices"] == [{"index": 0, "text": " to be", "logprobs": None, "finish_reason": "length",
                                 "token_ids": [5, 6]}]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    chat = api.response(api.parse_chat({"messages": [{"role": "user", "content": "x"}]}, MODEL, 8), reply())
+    chat = api.response(api.parse_chat({"messages": [{"role": "user", "content": "x"}]}, MODEL, 8), [reply()])
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": " to be"}
 
@@ -150,7 +155,8 @@ def test_stream_chunks():
                                                finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=1),
                                                spec=SpecStats(), timing=Timing(ttft_ms=1.0, total_ms=2.0)))
     assert last[0]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
-    assert last[1]["choices"] == [] and last[1]["usage"]["total_tokens"] == 4
+    usage_chunk, = api.last_chunks(call, [Usage(prompt_tokens=3, completion_tokens=1)])
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["total_tokens"] == 4
     plain = api.parse_completion({"prompt": "x", "stream": True}, MODEL)
     assert api.first_chunks(plain) == []
     assert "usage" not in api.stream_chunks(plain, StreamChunk(request_id="r", token_ids=[5], text=" to"))[0]
@@ -196,7 +202,7 @@ def logprob_reply(vocab: Vocab) -> GenerateReply:
 def test_completion_logprobs_with_echo_have_the_legacy_shape(vocab):
     reply = logprob_reply(vocab)
     call = api.parse_completion({"prompt": "Ay, and", "logprobs": 1, "echo": True}, MODEL)
-    choice, = api.response(call, reply, vocab)["choices"]
+    choice, = api.response(call, [reply], vocab)["choices"]
     assert choice["text"] == "Ay, and to be"
     lp, n_prompt = choice["logprobs"], len(reply.prompt_token_ids)
     assert lp["tokens"] == [vocab.text(t) for t in reply.prompt_token_ids + reply.token_ids]
@@ -212,7 +218,7 @@ def test_completion_logprobs_with_echo_have_the_legacy_shape(vocab):
 def test_completion_logprobs_without_echo_cover_the_completion_only(vocab):
     reply = logprob_reply(vocab)
     call = api.parse_completion({"prompt": "Ay, and", "logprobs": 1}, MODEL)
-    choice, = api.response(call, reply, vocab)["choices"]
+    choice, = api.response(call, [reply], vocab)["choices"]
     assert choice["text"] == " to be" and choice["logprobs"]["token_logprobs"] == [-0.25] * len(reply.token_ids)
 
 
@@ -220,7 +226,7 @@ def test_echo_of_token_ids_decodes_the_prompt(vocab):
     reply = logprob_reply(vocab)
     call = api.parse_completion({"prompt": reply.prompt_token_ids, "echo": True}, MODEL)
     assert call.needs_vocab
-    choice, = api.response(call, reply, vocab)["choices"]
+    choice, = api.response(call, [reply], vocab)["choices"]
     assert choice["text"] == "Ay, and to be" and choice["logprobs"] is None
 
 
@@ -228,7 +234,7 @@ def test_chat_logprobs_have_the_chat_shape(vocab):
     reply = logprob_reply(vocab)
     call = api.parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
                           MODEL, 8)
-    content = api.response(call, reply, vocab)["choices"][0]["logprobs"]["content"]
+    content = api.response(call, [reply], vocab)["choices"][0]["logprobs"]["content"]
     first = reply.token_ids[0]
     assert content[0] == {"token": vocab.text(first), "logprob": -0.25, "bytes": list(vocab.text(first).encode()),
                           "top_logprobs": [{"token": vocab.text(first), "logprob": -0.25,
@@ -258,3 +264,28 @@ def test_streamed_echo_comes_once_and_offsets_run_on(vocab):
     offsets = a["choices"][0]["logprobs"]["text_offset"] + b["choices"][0]["logprobs"]["text_offset"]
     tokens = a["choices"][0]["logprobs"]["tokens"] + b["choices"][0]["logprobs"]["tokens"]
     assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+
+
+# --- several choices ----------------------------------------------------------------------------
+def test_prompt_lists_and_n_become_one_request_per_choice_prompt_major():
+    call = api.parse_completion({"prompt": ["a", [5, 6]], "n": 2, "seed": 9, "temperature": 1.0}, MODEL)
+    assert [(r.prompt, r.token_ids) for r in call.requests] == [("a", None), ("a", None), (None, [5, 6]), (None, [5, 6])]
+    assert [r.seed for r in call.requests] == [9, 10, 9, 10]  # the n choices of a prompt differ
+    ids = [r.request_id for r in api.with_request_id(call, "x" * 64).requests]
+    assert ids == [f"{'x' * 56}-{k}" for k in range(4)]
+    one = api.with_request_id(api.parse_completion({"prompt": "a"}, MODEL), "mine")
+    assert [r.request_id for r in one.requests] == ["mine"]
+    chat = api.parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 3}, MODEL, 8)
+    assert len(chat.requests) == 3 and len({r.prompt for r in chat.requests}) == 1
+
+
+def test_several_choices_answer_with_indices_and_usage_counting_each_prompt_once():
+    call = api.parse_completion({"prompt": ["a", "b"], "n": 2}, MODEL)
+    replies = [GenerateReply(request_id=f"r{k}", token_ids=[k], text=f"t{k}", finish_reason="length",
+                             usage=Usage(prompt_tokens=3 + k // 2, completion_tokens=1), spec=SpecStats(),
+                             timing=Timing(ttft_ms=1.0, total_ms=2.0)) for k in range(4)]
+    body = api.response(call, replies)
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "t0"), (1, "t1"), (2, "t2"), (3, "t3")]
+    assert body["usage"] == {"prompt_tokens": 3 + 4, "completion_tokens": 4, "total_tokens": 11}
+    streamed = api.stream_chunks(call, StreamChunk(request_id="r2", token_ids=[2], text="t2"), index=2)
+    assert streamed[0]["choices"][0]["index"] == 2

@@ -303,3 +303,27 @@ def test_an_unreadable_or_empty_key_file_stops_the_start(tmp_path):
     for path, problem in ((tmp_path / "empty", "holds no key"), (tmp_path / "missing", "No such file")):
         with pytest.raises(config.ConfigError, match=f"http.api_key_file: .*{problem}"):
             config.load(env={"BATON_HTTP_API_KEY_FILE": str(path)})
+
+
+def test_several_choices_are_served_and_streamed_with_their_indices(nats_server):
+    """n = 2 over two prompts: four generate requests; unary answers hold four choices in order,
+    a stream interleaves four choices' chunks and ends once all four finished."""
+    async def run():
+        router = ScriptedRouter()
+        async with frontend(nats_server, router) as (base, client):
+            done = await client.completions.create(model=MODEL, prompt=["echo", "echo"], n=2, max_tokens=3)
+            assert [c.index for c in done.choices] == [0, 1, 2, 3] and {c.text for c in done.choices} == {"a b c"}
+            assert done.usage.prompt_tokens == 2 and done.usage.completion_tokens == 12
+            assert len(router.requests) == 4 and len({r.request_id for r in router.requests}) == 4
+            stream = await client.completions.create(model=MODEL, prompt=["echo", "echo"], n=2, stream=True,
+                                                     stream_options={"include_usage": True})
+            chunks = [c async for c in stream]
+            texts = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+                     for i in range(4)}
+            assert texts == {i: " t0 t1 t2" for i in range(4)}
+            finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert sorted(finished) == [0, 1, 2, 3]
+            assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+            failing = await status_of(client.completions.create(model=MODEL, prompt=["echo", "error:busy"]))
+            assert failing[0] == 429
+    asyncio.run(run())

@@ -54,12 +54,18 @@ def bad(message: str, param: str | None = None) -> HttpError:
     return HttpError(400, message, code=ErrorCode.BAD_REQUEST.value, param=param)
 
 
+MAX_CHOICES = 128  # choices one HTTP request may ask for (prompts × n): each is a generate request
+
+
 @dataclass(frozen=True)
 class Call:
-    """One parsed OpenAI request: what goes to the router, and how to shape the answer."""
+    """One parsed OpenAI request: what goes to the router, and how to shape the answer. Each choice
+    is one GenerateRequest (`requests`, prompt-major: prompt j's i-th choice is j * n + i); `n`
+    choices of one prompt differ by seed."""
     kind: str  # "completion" | "chat"
     model: str
-    request: GenerateRequest
+    requests: tuple[GenerateRequest, ...]
+    n: int = 1  # choices per prompt
     include_usage: bool = False  # stream_options.include_usage
     return_token_ids: bool = False  # vLLM's extension: choices carry "token_ids"
     echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, when asked for)
@@ -71,13 +77,18 @@ class Call:
         return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.id}"
 
     @property
+    def request(self) -> GenerateRequest:
+        """The first choice's request: what every choice shares (sampling, streaming, logprobs)."""
+        return self.requests[0]
+
+    @property
     def stream(self) -> bool:
         return self.request.stream
 
     @property
     def needs_vocab(self) -> bool:
         """Token ids must be turned into text here: for logprobs, or to echo a prompt of ids."""
-        return self.request.logprobs is not None or (self.echo and self.request.prompt is None)
+        return self.request.logprobs is not None or (self.echo and any(r.prompt is None for r in self.requests))
 
 
 @dataclass
@@ -124,8 +135,6 @@ def _common(body: dict, served_model: str, max_tokens: int) -> dict[str, Any]:
     for name in ("presence_penalty", "frequency_penalty"):
         if _get(body, name, (int, float), 0) != 0:
             raise bad(f"'{name}' is not supported by Baton", name)
-    if _get(body, "n", int, 1) != 1:
-        raise bad("'n': only 1 choice per request is supported", "n")
     for name in ("logit_bias", "tools", "functions"):
         _unsupported(body, name)
     fmt = _get(body, "response_format", dict, {"type": "text"})
@@ -165,31 +174,50 @@ def _options(body: dict) -> dict[str, Any]:
 
 
 def parse_completion(body: dict, served_model: str) -> Call:
-    """POST /v1/completions. `prompt`: a string, an array of token ids, or a one-element array of
-    either (OpenAI's batch form with one prompt)."""
+    """POST /v1/completions. `prompt`: a string, an array of token ids, or an array of either
+    (OpenAI's batch form: one choice, or `n`, per prompt)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _unsupported(body, "suffix")
     _unsupported(body, "best_of", (None, 1))
     logprobs, echo = _top(body, "logprobs"), _get(body, "echo", bool, False)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    fields: dict[str, Any]
-    if isinstance(prompt, str):
-        fields = dict(prompt=prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise bad("'prompt': token ids must be >= 0", "prompt")
-        fields = dict(token_ids=prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise bad("'prompt': batches of several prompts are not supported; send one request per prompt", "prompt")
-    else:
-        raise bad("'prompt': expected a string or an array of token ids", "prompt")
+    prompts = _prompts(body.get("prompt"))
     max_tokens = _get(body, "max_tokens", int, COMPLETION_DEFAULT_MAX_TOKENS)
-    request = GenerateRequest(**fields, **_common(body, served_model, max_tokens), logprobs=logprobs,
-                              prompt_logprobs=logprobs if echo else None)
-    return Call("completion", body.get("model") or served_model, request, echo=echo, **_options(body))
+    common = _common(body, served_model, max_tokens)
+    n = _choices(body, len(prompts))
+    requests = tuple(GenerateRequest(**prompt, **{**common, "seed": _seed(common["seed"], i, n)}, logprobs=logprobs,
+                                     prompt_logprobs=logprobs if echo else None)
+                     for prompt in prompts for i in range(n))
+    return Call("completion", body.get("model") or served_model, requests, n, echo=echo, **_options(body))
+
+
+def _prompts(prompt: Any) -> list[dict[str, Any]]:
+    """GenerateRequest prompt fields for each prompt of a completions body."""
+    if isinstance(prompt, str) or _token_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or _token_ids(p) for p in prompt):
+        raise bad("'prompt': expected a string, an array of token ids, or an array of either", "prompt")
+    if any(t < 0 for p in prompt if not isinstance(p, str) for t in p):
+        raise bad("'prompt': token ids must be >= 0", "prompt")
+    return [dict(prompt=p) if isinstance(p, str) else dict(token_ids=p) for p in prompt]
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _choices(body: dict, prompts: int) -> int:
+    n = _get(body, "n", int, 1)
+    if n < 1:
+        raise bad(f"'n': must be at least 1, got {n}", "n")
+    if n * prompts > MAX_CHOICES:
+        raise bad(f"'n' × prompts: {n * prompts} choices; at most {MAX_CHOICES} per request", "n")
+    return n
+
+
+def _seed(seed: int | None, choice: int, n: int) -> int | None:
+    """Choice i of n gets its own seed, so seeded choices differ from each other and repeat as a set."""
+    return seed if seed is None or n == 1 else (seed + choice) % 2 ** 64
 
 
 def _top(body: dict, name: str) -> int | None:
@@ -248,13 +276,20 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int) -> Call:
     max_tokens = _get(body, "max_completion_tokens", int)  # 0 is a value (refused below), not "unset"
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, default_max_tokens)
-    request = GenerateRequest(prompt=prompt, **_common(body, served_model, max_tokens), logprobs=logprobs)
-    return Call("chat", body.get("model") or served_model, request, **_options(body))
+    common = _common(body, served_model, max_tokens)
+    n = _choices(body, 1)
+    requests = tuple(GenerateRequest(prompt=prompt, **{**common, "seed": _seed(common["seed"], i, n)}, logprobs=logprobs)
+                     for i in range(n))
+    return Call("chat", body.get("model") or served_model, requests, n, **_options(body))
 
 
 def with_request_id(call: Call, request_id: str | None) -> Call:
-    """The id the router knows the request by (so it can be cancelled when the client leaves)."""
-    return replace(call, request=replace(call.request, request_id=request_id or f"http-{call.id}"))
+    """The ids the router knows the choices by (so they can be cancelled when the client leaves):
+    the request's own, and with several choices that id with the choice's index appended."""
+    base = request_id or f"http-{call.id}"
+    if len(call.requests) == 1:
+        return replace(call, requests=(replace(call.request, request_id=base),))
+    return replace(call, requests=tuple(replace(r, request_id=f"{base[:56]}-{k}") for k, r in enumerate(call.requests)))
 
 
 # --- answers ---------------------------------------------------------------------------------
@@ -265,30 +300,36 @@ def usage(u: Usage | None) -> dict[str, int] | None:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
-def _choice(call: Call, text: str, token_ids: list[int], finish_reason: str | None, delta: bool,
+def total_usage(call: Call, usages: list[Usage]) -> Usage:
+    """Over every choice (in `call.requests` order): each prompt counted once, as OpenAI does."""
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages[::call.n]),
+                 completion_tokens=sum(u.completion_tokens for u in usages))
+
+
+def _choice(call: Call, index: int, text: str, token_ids: list[int], finish_reason: str | None, delta: bool,
             logprobs: dict | None = None) -> dict:
     reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
     if call.kind == "chat":
         body = {"delta": {"content": text} if text or not reason else {}} if delta else \
             {"message": {"role": "assistant", "content": text}}
-        choice = {"index": 0, **body, "logprobs": logprobs, "finish_reason": reason}
+        choice = {"index": index, **body, "logprobs": logprobs, "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
     if call.return_token_ids:
         choice["token_ids"] = token_ids
     return choice
 
 
-def _shaped(call: Call, part: GenerateReply | StreamChunk, vocab: Vocab | None, state: StreamState) -> tuple[str, dict | None]:
-    """A reply's (or chunk's) text and logprobs in the caller's shape; with echo, the first part
-    also carries the prompt."""
-    text, logprobs = part.text, None
+def _shaped(call: Call, index: int, part: GenerateReply | StreamChunk, vocab: Vocab | None,
+            state: StreamState) -> tuple[str, dict | None]:
+    """Choice `index`'s reply (or chunk): text and logprobs in the caller's shape; with echo, its
+    first part also carries its prompt."""
+    text, logprobs, request = part.text, None, call.requests[index]
     echo = call.echo and not state.echoed and (part.token_ids or isinstance(part, GenerateReply))
     if echo:
         state.echoed = True
-        prompt = call.request.prompt if call.request.prompt is not None else vocab.tokenizer.decode(call.request.token_ids)
-        text = prompt + text
-    if call.request.logprobs is None or part.logprobs is None:
+        text = (request.prompt if request.prompt is not None else vocab.tokenizer.decode(request.token_ids)) + text
+    if request.logprobs is None or part.logprobs is None:
         pass
     elif call.kind == "chat":
         logprobs = chat_logprobs(vocab, part.logprobs)
@@ -301,13 +342,15 @@ def _shaped(call: Call, part: GenerateReply | StreamChunk, vocab: Vocab | None, 
     return text, logprobs
 
 
-def response(call: Call, reply: GenerateReply, vocab: Vocab | None = None) -> dict[str, Any]:
-    """The non-streaming answer; `vocab` decodes token ids (Call.needs_vocab)."""
-    text, logprobs = _shaped(call, reply, vocab, StreamState())
+def response(call: Call, replies: list[GenerateReply], vocab: Vocab | None = None) -> dict[str, Any]:
+    """The non-streaming answer, one reply per choice; `vocab` decodes token ids (Call.needs_vocab)."""
+    choices = []
+    for index, reply in enumerate(replies):
+        text, logprobs = _shaped(call, index, reply, vocab, StreamState())
+        choices.append(_choice(call, index, text, reply.token_ids, reply.finish_reason, delta=False, logprobs=logprobs))
     return {"id": call.response_id, "object": "chat.completion" if call.kind == "chat" else "text_completion",
-            "created": call.created, "model": call.model,
-            "choices": [_choice(call, text, reply.token_ids, reply.finish_reason, delta=False, logprobs=logprobs)],
-            "usage": usage(reply.usage), "system_fingerprint": None}
+            "created": call.created, "model": call.model, "choices": choices,
+            "usage": usage(total_usage(call, [r.usage for r in replies])), "system_fingerprint": None}
 
 
 def _chunk(call: Call, choices: list[dict], usage_value: dict | None = None) -> dict[str, Any]:
@@ -319,25 +362,26 @@ def _chunk(call: Call, choices: list[dict], usage_value: dict | None = None) -> 
 
 
 def first_chunks(call: Call) -> list[dict[str, Any]]:
-    """Sent before any text: chat opens with the assistant's role, as OpenAI does."""
+    """Sent before any text: chat opens each choice with the assistant's role, as OpenAI does."""
     if call.kind != "chat":
         return []
-    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    return [_chunk(call, [choice])]
+    return [_chunk(call, [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}]) for index in range(len(call.requests))]
 
 
-def stream_chunks(call: Call, chunk: StreamChunk, vocab: Vocab | None = None,
-                  state: StreamState | None = None) -> list[dict[str, Any]]:
-    """OpenAI chunks for one Baton StreamChunk: a text delta, the finish, and (when asked) usage."""
-    out = []
-    if chunk.text or chunk.token_ids or chunk.finished:
-        text, logprobs = _shaped(call, chunk, vocab, state if state is not None else StreamState())
-        out.append(_chunk(call, [_choice(call, text, list(chunk.token_ids),
-                                         chunk.finish_reason if chunk.finished else None, delta=True,
-                                         logprobs=logprobs)]))
-    if chunk.finished and call.include_usage:
-        out.append(_chunk(call, [], usage(chunk.usage)))
-    return out
+def stream_chunks(call: Call, chunk: StreamChunk, vocab: Vocab | None = None, state: StreamState | None = None,
+                  index: int = 0) -> list[dict[str, Any]]:
+    """OpenAI chunks for one Baton StreamChunk of choice `index`: a text delta or the finish."""
+    if not (chunk.text or chunk.token_ids or chunk.finished):
+        return []
+    text, logprobs = _shaped(call, index, chunk, vocab, state if state is not None else StreamState())
+    return [_chunk(call, [_choice(call, index, text, list(chunk.token_ids), chunk.finish_reason if chunk.finished
+                                  else None, delta=True, logprobs=logprobs)])]
+
+
+def last_chunks(call: Call, usages: list[Usage]) -> list[dict[str, Any]]:
+    """After every choice finished: the usage chunk, when the client asked for it."""
+    return [_chunk(call, [], usage(total_usage(call, usages)))] if call.include_usage else []
 
 
 def models(served_model: str, created: int) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from aiohttp import web
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.public import CancelReply, CancelRequest, GenerateReply, StreamChunk
+from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
 from baton.shared.config import Config
 
@@ -128,17 +128,28 @@ class Frontend:
         if call.stream:
             response = await self._stream(request, call, route, started)
         else:
-            reply = await self._unary(call)
-            self.metrics.tokens.labels(route).inc(reply.usage.completion_tokens)
-            response = web.json_response(api.response(call, reply, self.vocab(call)),
+            replies = await self._unary(call)
+            self.metrics.tokens.labels(route).inc(sum(r.usage.completion_tokens for r in replies))
+            response = web.json_response(api.response(call, replies, self.vocab(call)),
                                          headers={"X-Request-Id": call.request.request_id})
         self.metrics.latency.labels(route).observe(time.monotonic() - started)
         return response
 
-    async def _unary(self, call: api.Call) -> GenerateReply:
+    async def _unary(self, call: api.Call) -> list[GenerateReply]:
+        """One reply per choice, asked for all at once; the first failure fails the call."""
+        pending = {r.request_id: asyncio.create_task(self._one(r)) for r in call.requests}
+        try:
+            return list(await asyncio.gather(*pending.values()))
+        finally:
+            for request_id, task in pending.items():
+                if not task.done():
+                    task.cancel()
+                    self._cancel(request_id)
+
+    async def _one(self, request: GenerateRequest) -> GenerateReply:
         done = False
         try:
-            reply = await self.bus.request(subjects.GENERATE, call.request, GenerateReply,
+            reply = await self.bus.request(subjects.GENERATE, request, GenerateReply,
                                            timeout=self.cfg.http.request_timeout_s)
             done = True
             return reply
@@ -147,33 +158,38 @@ class Frontend:
             raise
         finally:
             if not done:  # the client left (handler cancelled) or we gave up waiting
-                self._cancel(call.request.request_id)
+                self._cancel(request.request_id)
 
     async def _stream(self, request: web.Request, call: api.Call, route: str, started: float) -> web.StreamResponse:
         rid = call.request.request_id
-        finished = False
+        unfinished = {r.request_id for r in call.requests}
         response: web.StreamResponse | None = None
         try:
-            async with self.bus.stream_request(subjects.GENERATE, call.request, StreamChunk,
-                                               timeout_per_message=self.cfg.http.request_timeout_s) as chunks:
-                chunk = await chunks.__anext__()  # errors before the first token get their HTTP status
+            async with ChoiceStreams(self.bus, call, self.cfg.http.request_timeout_s) as chunks:
+                index, chunk = await chunks.next()  # errors before the first token get their HTTP status
                 self.metrics.ttft.labels(route).observe(time.monotonic() - started)
                 response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": rid})
                 await response.prepare(request)
                 for event in api.first_chunks(call):
                     await _send(response, event)
-                vocab, state = self.vocab(call), api.StreamState()
+                vocab, states = self.vocab(call), [api.StreamState() for _ in call.requests]
+                usages: list = [None] * len(call.requests)
                 while True:
-                    for event in api.stream_chunks(call, chunk, vocab, state):
+                    for event in api.stream_chunks(call, chunk, vocab, states[index], index):
                         await _send(response, event)
                     self.metrics.tokens.labels(route).inc(len(chunk.token_ids))
                     if chunk.finished:
-                        finished = True
-                        break
+                        unfinished.discard(call.requests[index].request_id)
+                        usages[index] = chunk.usage
+                        if not unfinished:
+                            for event in api.last_chunks(call, usages):
+                                await _send(response, event)
+                            break
                     try:
-                        chunk = await chunks.__anext__()
+                        index, chunk = await chunks.next()
                     except BatonError as exc:
-                        finished = exc.code != ErrorCode.TIMEOUT
+                        if exc.code == ErrorCode.TIMEOUT:  # our own deadline: the router may still be working
+                            unfinished.clear()
                         await _send(response, api.HttpError.from_baton(exc).body())
                         break
                 await response.write(b"data: [DONE]\n\n")
@@ -183,11 +199,12 @@ class Frontend:
             log.info("client left request %s", rid)
             return response
         except BatonError as exc:
-            finished = exc.code != ErrorCode.TIMEOUT
+            if exc.code == ErrorCode.TIMEOUT:
+                unfinished.clear()
             raise
         finally:
-            if not finished:
-                self._cancel(rid)
+            for request_id in unfinished:
+                self._cancel(request_id)
 
     def vocab(self, call: api.Call) -> api.Vocab | None:
         """The tokenizer's strings, for the calls that need token ids turned into text."""
@@ -248,6 +265,43 @@ class Frontend:
             response = _error(api.HttpError(exc.status, exc.reason, code=None))
         self.metrics.requests.labels(route, str(response.status if response is not None else 499)).inc()
         return response
+
+
+class ChoiceStreams:
+    """Every choice's stream of chunks at once, merged: `next()` returns (choice index, chunk) in
+    arrival order and raises the first error any stream raised."""
+
+    def __init__(self, bus: Bus, call: api.Call, timeout_s: float) -> None:
+        self.bus, self.call, self.timeout_s = bus, call, timeout_s
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+
+    async def __aenter__(self) -> "ChoiceStreams":
+        self.tasks = [asyncio.create_task(self._pump(index, r)) for index, r in enumerate(self.call.requests)]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def next(self) -> tuple[int, StreamChunk]:
+        index, item = await self.queue.get()  # each stream's own per-message timeout bounds the wait
+        if isinstance(item, BaseException):
+            raise item
+        return index, item
+
+    async def _pump(self, index: int, request: GenerateRequest) -> None:
+        try:
+            async with self.bus.stream_request(subjects.GENERATE, request, StreamChunk,
+                                               timeout_per_message=self.timeout_s) as chunks:
+                chunk = None
+                async for chunk in chunks:
+                    self.queue.put_nowait((index, chunk))
+            if chunk is None or not chunk.finished:
+                raise BatonError(ErrorCode.INTERNAL, f"the stream of {request.request_id} ended before its last chunk")
+        except BatonError as exc:
+            self.queue.put_nowait((index, exc))
 
 
 def _unauthorized(message: str) -> api.HttpError:
