@@ -11,7 +11,8 @@ from typing import Literal
 from .errors import bad_request
 from .fields import Count, Millis, RequestId, Seed, Subject, TokenId, WorkerId
 from .limits import Limits
-from .public import FinishReason, Logprobs, SpecStats, Timing, check_draft_tokens, check_logprobs, check_sampling
+from .public import (FinishReason, Logprobs, SpecStats, Timing, check_draft_tokens, check_logprobs, check_penalties,
+                     check_sampling)
 
 Role = Literal["prefill", "decode"]
 
@@ -29,11 +30,16 @@ class SamplingParams:
     stop_token_ids: list[TokenId] = field(default_factory=list)
     draft_tokens: int | None = None  # GenerateRequest.draft_tokens: a cap on the deployment's K
     min_tokens: int = 0  # GenerateRequest.min_tokens: stop tokens among the first this many do not stop
+    presence_penalty: float = 0.0  # GenerateRequest's three penalties (shared/engine/penalties.py)
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    output_in_prompt: Count = 0  # a continuation's: the prompt's last this many tokens were output (penalties count them)
     logprobs: int | None = None  # GenerateRequest.logprobs: decode reports the generated tokens' logprobs
     prompt_logprobs: int | None = None  # GenerateRequest.prompt_logprobs: prefill reports the prompt's
 
     def validate(self, limits: Limits) -> None:
         check_sampling(self.temperature, self.top_p)
+        check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         check_logprobs(self.logprobs, self.prompt_logprobs)
         if self.min_tokens < 0:
             raise bad_request(f"field 'min_tokens': must be >= 0, got {self.min_tokens}")

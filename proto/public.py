@@ -25,6 +25,9 @@ class GenerateRequest:
     stop_token_ids: list[TokenId] = field(default_factory=list)
     ignore_eos: bool = False  # generate past the end-of-text token (to max_tokens or another stop)
     min_tokens: int = 0  # 0 .. max_tokens: no stop token or stop string ends the request before this many tokens
+    presence_penalty: float = 0.0  # -2 .. 2: subtracted from a token's logit once it is in the output
+    frequency_penalty: float = 0.0  # -2 .. 2: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # 0 < r <= 10: a token seen in prompt or output: logit / r (positive) or * r
     logprobs: int | None = None  # 0 .. 20: each generated token's logprob and this many most likely alternatives
     prompt_logprobs: int | None = None  # 0 .. 20: the same for the prompt's tokens (from its second on)
     request_id: RequestId | None = None  # chosen by the client so it can cancel; else the router picks
@@ -47,6 +50,7 @@ class GenerateRequest:
             raise bad_request(f"field 'min_tokens': must be between 0 and max_tokens ({self.max_tokens}), "
                               f"got {self.min_tokens}")
         check_sampling(self.temperature, self.top_p)
+        check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         check_draft_tokens(self.draft_tokens)
         check_logprobs(self.logprobs, self.prompt_logprobs)
         if self.token_ids is not None:
@@ -63,6 +67,14 @@ def check_sampling(temperature: float, top_p: float) -> None:
         raise bad_request(f"field 'temperature': must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise bad_request(f"field 'top_p': must be in (0, 1], got {top_p}")
+
+
+def check_penalties(presence: float, frequency: float, repetition: float) -> None:
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -2 <= value <= 2:
+            raise bad_request(f"field '{name}': must be between -2 and 2, got {value}")
+    if not 0 < repetition <= 10:
+        raise bad_request(f"field 'repetition_penalty': must be in (0, 10], got {repetition}")
 
 
 MAX_LOGPROBS = 20  # most likely alternatives per position (vLLM's default bound, OpenAI's top_logprobs)

@@ -11,7 +11,8 @@ USAGE = public.Usage(prompt_tokens=6, completion_tokens=3)
 SPEC = public.SpecStats(verify_steps=2, drafted=6, accepted=1)
 TIMING = public.Timing(ttft_ms=12.5, total_ms=31.0)
 SAMPLING = internal.SamplingParams(temperature=0.7, top_p=0.9, seed=2**64 - 1, stop_token_ids=[2], draft_tokens=2,
-                                   logprobs=3, prompt_logprobs=1)
+                                   logprobs=3, prompt_logprobs=1, presence_penalty=0.5, frequency_penalty=0.25,
+                                   repetition_penalty=1.2, output_in_prompt=4)
 CAPACITY = internal.Capacity(total_pages=4096, page_size=16, total_slots=64, max_seq_len=4096)
 LOAD = internal.WorkerLoad(free_pages=3900, free_slots=60, active_requests=4, queued_prompt_tokens=0)
 LOGPROBS = public.Logprobs(token_ids=[412, 9], logprobs=[-0.25, -1.5], top_ids=[[412, 7], [3, 9]],
@@ -36,7 +37,8 @@ EXAMPLES = [
                        prompt_logprobs=LOGPROBS[:1], prompt_token_ids=[5, 412]),
     public.StreamChunk(request_id="r-1", token_ids=[], text="", finished=True, finish_reason="stop",
                        usage=USAGE, spec=public.SpecStats(), timing=TIMING),
-    public.GenerateRequest(prompt="To be", logprobs=20, prompt_logprobs=0),
+    public.GenerateRequest(prompt="To be", logprobs=20, prompt_logprobs=0, presence_penalty=-2.0, frequency_penalty=0.5,
+                           repetition_penalty=1.3),
     public.CancelRequest(request_id="r-1"),
     public.CancelReply(request_id="r-1", cancelled=False),
     ErrorReply(error=ErrorDetail(code=ErrorCode.BUSY, message="cluster full")),

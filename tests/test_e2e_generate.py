@@ -4,6 +4,7 @@ bad input gets the right error code and the services keep serving."""
 import asyncio
 
 import msgpack
+import torch
 import pytest
 
 from baton.proto import subjects
@@ -244,3 +245,20 @@ def test_prompts_far_over_the_context_are_refused_untokenized_while_others_are_s
     assert {(e.code.value, "at least" in str(e)) for e in errors} == {("bad_request", True)}
     alone = asyncio.run(generate(cluster.nats_url, **small))
     assert (reply.token_ids, reply.text, reply.finish_reason) == (alone.token_ids, alone.text, alone.finish_reason)
+
+
+def test_penalised_greedy_equals_transformers_penalised_step_by_step(cluster, reference):
+    """Presence, frequency and repetition penalties through the whole system (speculation on):
+    the tokens equal transformers' logits penalised per step by the reference rule."""
+    from test_engine_penalties import PENALTIES, penalise
+    p = window_prompts()[1]
+    reply = asyncio.run(generate(cluster.nats_url, token_ids=p, max_tokens=24, ignore_eos=True, **PENALTIES))
+    want = []
+    with torch.no_grad():
+        for _ in range(24):
+            logits = reference.model(torch.tensor([p + want])).logits[0, -1]
+            want.append(int(penalise(logits, p, want, PENALTIES["presence_penalty"], PENALTIES["frequency_penalty"],
+                                     PENALTIES["repetition_penalty"]).argmax()))
+    assert reply.token_ids == want and reply.finish_reason == "length"
+    assert reply.token_ids != reference.greedy(p, 24)  # the penalties changed the output
+    assert reply.spec.accepted > 0

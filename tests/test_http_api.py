@@ -83,7 +83,10 @@ def test_chat_template_is_a_play_script():
     ({"prompt": "x", "draft_tokens": 1.5}, "draft_tokens", 400),
     ({"prompt": "x", "draft_tokens": True}, "draft_tokens", 400),
     ({"prompt": "x", "stop": [1]}, "stop", 400),
-    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", 400),
+    ({"prompt": "x", "frequency_penalty": 0.5, "presence_penalty": -1, "repetition_penalty": 1.2}, None, None),
+    ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty", 400),
+    ({"prompt": "x", "presence_penalty": "1"}, "presence_penalty", 400),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", 400),
     ({"prompt": "x", "stream": "yes"}, "stream", 400),
 ])
 def test_bad_completion_fields_are_400_naming_the_param(body, param, status):
@@ -169,6 +172,14 @@ MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "baton-tiny"
 @pytest.fixture(scope="module")
 def vocab() -> Vocab:
     return Vocab(MODEL_DIR)
+
+
+def test_penalties_map_to_the_request():
+    r = api.parse_completion({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1,
+                              "repetition_penalty": 1.1}, MODEL).request
+    assert (r.presence_penalty, r.frequency_penalty, r.repetition_penalty) == (0.5, -1.0, 1.1)
+    r = api.parse_chat({"messages": [{"role": "user", "content": "x"}]}, MODEL, 8).request
+    assert (r.presence_penalty, r.frequency_penalty, r.repetition_penalty) == (0.0, 0.0, 1.0)
 
 
 def test_logprob_fields_map_to_the_request():

@@ -114,11 +114,16 @@ def test_decode_silent_past_the_idle_timeout_mid_stream_is_decode_lost():
 
 
 def test_a_continuation_draws_fresh_randomness():
-    assert continued(SamplingParams(), 7) == SamplingParams()  # unseeded: nothing to change
+    assert continued(SamplingParams(), 7) == SamplingParams(output_in_prompt=7)  # unseeded: no seed to change
     seeded = SamplingParams(temperature=0.8, seed=42)
     after = continued(seeded, 7)
     assert after.seed != 42 and 0 <= after.seed < 2**64 and after.temperature == 0.8
     assert after == continued(seeded, 7) and after.seed != continued(seeded, 8).seed
+
+
+def test_a_continuation_counts_what_was_sent_as_output_and_asks_no_prompt_logprobs():
+    after = continued(continued(SamplingParams(presence_penalty=1.0, prompt_logprobs=2, min_tokens=10), 3), 4)
+    assert (after.output_in_prompt, after.min_tokens, after.prompt_logprobs) == (7, 3, None)
 
 
 def test_a_lost_chunk_is_an_error():

@@ -46,7 +46,7 @@ class AggregatedService(Router):
             job.cancel("service shutting down")
 
     async def _open_flow(self, request_id: str, ids: list[int], max_tokens: int, sampling) -> Job:
-        params = SamplingParams(sampling.temperature, sampling.top_p, sampling.seed)
+        params = SamplingParams.of(sampling, sampling.seed)
         return await self.engine.submit(request_id, ids, max_tokens, params, list(sampling.stop_token_ids),
                                         sampling.draft_tokens, sampling.min_tokens, sampling.logprobs,
                                         sampling.prompt_logprobs)

@@ -133,8 +133,9 @@ class DecodeWorker:
         s = msg.sampling
         seed = None if s.seed is None else (s.seed ^ DECODE_SEED_SALT) % 2**64
         seq = Sequence(msg.request_id, list(msg.token_ids), msg.max_tokens,
-                       SamplingParams(s.temperature, s.top_p, seed), frozenset(s.stop_token_ids),
-                       draft_tokens=s.draft_tokens, min_tokens=s.min_tokens, logprobs=s.logprobs)
+                       SamplingParams.of(s, seed), frozenset(s.stop_token_ids),
+                       draft_tokens=s.draft_tokens, min_tokens=s.min_tokens, logprobs=s.logprobs,
+                       output_in_prompt=s.output_in_prompt)
         tag = request_tag(msg.request_id)
         if tag in self.requests:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {msg.request_id} is already reserved here")

@@ -132,9 +132,6 @@ def _common(body: dict, served_model: str, max_tokens: int) -> dict[str, Any]:
     if model != served_model:
         raise HttpError(404, f"the model '{model}' does not exist; this server serves '{served_model}'",
                         code="model_not_found", param="model")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _get(body, name, (int, float), 0) != 0:
-            raise bad(f"'{name}' is not supported by Baton", name)
     for name in ("logit_bias", "tools", "functions"):
         _unsupported(body, name)
     fmt = _get(body, "response_format", dict, {"type": "text"})
@@ -161,7 +158,14 @@ def _common(body: dict, served_model: str, max_tokens: int) -> dict[str, Any]:
     draft_tokens = _get(body, "draft_tokens", int)  # Baton's extension: a cap on speculation
     if draft_tokens is not None and not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
         raise bad(f"'draft_tokens': must be in 0..{MAX_DRAFT_TOKENS}, got {draft_tokens}", "draft_tokens")
-    return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+    penalties = {name: float(_get(body, name, (int, float), default)) for name, default in
+                 (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= penalties[name] <= 2:
+            raise bad(f"'{name}': must be in [-2, 2], got {penalties[name]}", name)
+    if not 0 < penalties["repetition_penalty"] <= 10:
+        raise bad(f"'repetition_penalty': must be in (0, 10], got {penalties['repetition_penalty']}", "repetition_penalty")
+    return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, **penalties,
                 stream=_get(body, "stream", bool, False), stop=stop, stop_token_ids=stop_ids,
                 ignore_eos=_get(body, "ignore_eos", bool, False), min_tokens=_get(body, "min_tokens", int, 0),
                 draft_tokens=draft_tokens)

@@ -225,9 +225,10 @@ class PrefillWorker:
             except KVError as exc:
                 job.done.get_loop().call_soon_threadsafe(_fail, job, BatonError(ErrorCode.BUSY, str(exc)))
                 continue
-            params = SamplingParams(d.sampling.temperature, d.sampling.top_p, d.sampling.seed)
+            params = SamplingParams.of(d.sampling, d.sampling.seed)
             seqs.append((job, Sequence(d.request_id, list(d.token_ids), 1, params,
-                                       prompt_logprobs=d.sampling.prompt_logprobs)))
+                                       prompt_logprobs=d.sampling.prompt_logprobs,
+                                       output_in_prompt=d.sampling.output_in_prompt)))
         outputs = self.runner.prefill([s for _, s in seqs]) if seqs else []
         targets = [job.target for job, _ in seqs]  # set on the loop thread; read once here
         self._fill_draft_windows([(seq, out, target) for (_, seq), out, target in zip(seqs, outputs, targets)

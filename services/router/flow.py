@@ -67,10 +67,12 @@ class DecodeLost(AttemptLost):
 
 
 def continued(sampling: SamplingParams, sent: int) -> SamplingParams:
-    """Sampling for a continuation after `sent` tokens: min_tokens counts what is left, and a seeded
-    request gets a seed of its own for the rest, so the continuation does not replay the random
-    draws of its first tokens."""
-    sampling = replace(sampling, min_tokens=max(0, sampling.min_tokens - sent))
+    """Sampling for a continuation after `sent` tokens: min_tokens counts what is left, penalties
+    count the tokens sent as output, the prompt's logprobs (reported with the first tokens) are not
+    asked for again, and a seeded request gets a seed of its own for the rest, so the continuation
+    does not replay the random draws of its first tokens."""
+    sampling = replace(sampling, min_tokens=max(0, sampling.min_tokens - sent), prompt_logprobs=None,
+                       output_in_prompt=sampling.output_in_prompt + sent)
     if sampling.seed is None:
         return sampling
     return replace(sampling, seed=(sampling.seed * 0x9E3779B97F4A7C15 + sent) % (1 << 64))

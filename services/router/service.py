@@ -162,6 +162,8 @@ class Router:
             stop_ids.append(self.tokenizer.eos_token_id)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                   stop_token_ids=stop_ids, draft_tokens=req.draft_tokens, min_tokens=req.min_tokens,
+                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                  repetition_penalty=req.repetition_penalty,
                                   logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
         flow = await self._open_flow(request_id, ids, req.max_tokens, sampling)
         flow.at["received"] = received

@@ -28,6 +28,7 @@ from baton.shared.model.model import BatonLM
 
 from . import logprobs, sampling
 from .attention import Chunk, StoreAttention
+from .penalties import Penalties
 from .sampling import BatchSampling, race
 from .sequence import Sequence
 
@@ -92,7 +93,7 @@ class ModelRunner:
                 done[i] += c.n
         hidden = [torch.cat(h) for h in hidden]
         last = self.model.logits(torch.stack([h[-1] for h in hidden]))  # [B, V]
-        first = BatchSampling(seqs, self.vocab, device=self.device).choose(last).tolist()
+        first = BatchSampling(seqs, self.vocab, device=self.device).choose(self._penalised(seqs, last)).tolist()
         return [PrefillOutput(t, h, None if s.prompt_logprobs is None else
                               logprobs.prompt_logprobs(self.model.logits, h, s.prompt, s.prompt_logprobs))
                 for s, t, h in zip(seqs, first, hidden)]
@@ -139,13 +140,22 @@ class ModelRunner:
             return self._spec_step(seqs)
         out = self._target([Chunk(s.request_id, s.length, 1) for s in seqs], [s.last_token for s in seqs])
         logits = self.model.logits(out)  # [B, V]
-        tokens = BatchSampling(seqs, self.vocab, device=self.device).choose(logits).tolist()
+        tokens = BatchSampling(seqs, self.vocab, device=self.device).choose(self._penalised(seqs, logits)).tolist()
         emitted = []
         for s, t in zip(seqs, tokens):
             s.length += 1
             emitted.append(s.emit([t]))
         self._report_step(seqs, logits, [[b] for b in range(len(seqs))], [[t] for t in tokens], emitted)
         return emitted
+
+    def _penalised(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] of one position per sequence -> the same with each row's penalties."""
+        penalties = Penalties(seqs, self.vocab, self.device)
+        if not penalties.any:
+            return logits
+        logits = logits.clone()
+        logits[penalties.index] = penalties.at_positions(logits[penalties.index][:, None], None)[:, 0]
+        return logits
 
     def draft_tokens(self, seq: Sequence) -> int:
         """k for this sequence: the deployment's K, lowered (never raised) by the request's own cap."""
@@ -156,7 +166,8 @@ class ModelRunner:
         ks = [self.draft_tokens(s) for s in seqs]  # k_b; 0: plain decode inside the same forward
         K = max(ks)
         draws = BatchSampling(seqs, self.vocab, ks, self.device)
-        drafts, q = self._draft_chain(seqs, ks, draws)  # [B, K] on the device; q [Ns, K, V] or None
+        penalties = Penalties(seqs, self.vocab, self.device)
+        drafts, q = self._draft_chain(seqs, ks, draws, penalties)  # [B, K] on the device; q [Ns, K, V] or None
         verify = [Chunk(s.request_id, s.length, k + 1) for s, k in zip(seqs, ks)]
         chain = torch.cat((torch.tensor([[s.last_token] for s in seqs], device=self.device), drafts), 1)  # [B, K+1]
         ids = chain.view(-1) if min(ks) == K else chain.view(-1)[self._host_index(
@@ -165,7 +176,7 @@ class ModelRunner:
         logits = self.model.logits(hidden)  # [T, V]
         offsets = [0, *accumulate(k + 1 for k in ks)]
         at = self._host_index([[offsets[b] + min(j, k) for j in range(K + 1)] for b, k in enumerate(ks)])  # [B, K+1]
-        accepted, emitted = self._verify(drafts, ks, logits, at, q, draws)
+        accepted, emitted = self._verify(drafts, ks, logits, at, q, draws, penalties)
         result = torch.cat((drafts, accepted[:, None], emitted[:, None]), 1).tolist()  # the step's one host sync
         out, committed = [], []
         for b, (s, k, row) in enumerate(zip(seqs, ks, result)):
@@ -207,23 +218,27 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _verify(self, drafts: torch.Tensor, ks: list[int], logits: torch.Tensor, at: torch.Tensor,
-                q: torch.Tensor | None, draws: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
+                q: torch.Tensor | None, draws: BatchSampling, penalties: Penalties) -> tuple[torch.Tensor, torch.Tensor]:
         """drafts [B, K], logits [T, V] of the verified positions, at [B, K+1] their rows per
         sequence -> (accepted [B], emitted [B]). Greedy rows: the longest prefix equal to the
-        target's argmax; sampled rows: `sampling.accept`."""
+        target's (penalised) argmax; sampled rows: `sampling.accept`."""
         K = drafts.shape[1]
-        best = logits.argmax(-1)[at]  # [B, K+1]
+        scores = None
+        if penalties.any:  # each position penalised as plain decoding would penalise it there
+            scores = logits[at]  # [B, K+1, V]
+            scores[penalties.index] = penalties.at_positions(scores[penalties.index], drafts[penalties.index])
+        best = logits.argmax(-1)[at] if scores is None else scores.argmax(-1)  # [B, K+1]
         drafted = torch.arange(K, device=self.device) < self._host_index(ks)[:, None]
         accepted = ((drafts == best[:, :K]) & drafted).long().cumprod(-1).sum(-1)  # [B]
         emitted = best.gather(1, accepted[:, None])[:, 0]
         if draws.any:
             rows = draws.index
-            p = draws.probs(logits[at[rows]])  # [Ns, K+1, V]
+            p = draws.probs(logits[at[rows]] if scores is None else scores[rows])  # [Ns, K+1, V]
             accepted[rows], emitted[rows] = sampling.accept(drafts[rows], draws.ks, q, p, draws.uniform,
                                                             draws.emission_noise)
         return accepted, emitted
 
-    def _draft_chain(self, seqs: list[Sequence], ks: list[int], draws: BatchSampling
+    def _draft_chain(self, seqs: list[Sequence], ks: list[int], draws: BatchSampling, penalties: Penalties
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft max(k_b) tokens for every sequence with k_b > 0, in one batch (a row past its own
         k_b drafts tokens nobody verifies; its draft entries there are overwritten before they are
@@ -238,6 +253,9 @@ class ModelRunner:
         sampled_row = {b: i for i, b in enumerate(draws.rows)}
         sampled = [(i, sampled_row[b]) for i, b in enumerate(live) if b in sampled_row]
         s_live, s_draws = (self._host_index(list(x)) for x in zip(*sampled)) if sampled else (None, None)
+        penalised_row = {b: i for i, b in enumerate(penalties.rows)}
+        penalised = [(i, penalised_row[b]) for i, b in enumerate(live) if b in penalised_row]
+        p_live, p_rows = (self._host_index(list(x)) for x in zip(*penalised)) if penalised else (None, None)
         chain = [seqs[b] for b in live]
         # first draft forward: entries draft_len .. length (the last one queries the next token)
         chunks = [Chunk(s.request_id, s.draft_len, s.length - s.draft_len + 1, floor=s.draft_floor) for s in chain]
@@ -248,6 +266,9 @@ class ModelRunner:
         columns = []
         for j in range(K):
             logits = self.model.logits(last)  # [B', V]
+            if penalised:  # the chain's own tokens so far count as output, as they would if accepted
+                before = torch.stack(columns, 1)[p_live] if columns else None  # [Np', j]
+                logits[p_live] = penalties.after(logits[p_live], p_rows, before)
             token = logits.argmax(-1)  # [B']
             if sampled:
                 p = draws.probs(logits[s_live][:, None], s_draws)[:, 0]  # [Ns', V]

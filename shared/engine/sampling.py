@@ -30,10 +30,23 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0  # penalties.py
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @classmethod
+    def of(cls, wire, seed: int | None) -> "SamplingParams":
+        """From the protocol's SamplingParams (proto/internal.py), with the seed this side draws from."""
+        return cls(wire.temperature, wire.top_p, seed, wire.presence_penalty, wire.frequency_penalty,
+                   wire.repetition_penalty)
+
+    @property
+    def penalised(self) -> bool:
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0.0, 0.0, 1.0)
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor | float,

@@ -64,6 +64,9 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     gen: torch.Generator | None = None
     output_logprobs: Logprobs | None = None  # aligned with `output`, when `logprobs` is asked for
+    output_counts: torch.Tensor | None = None  # [V] float: times each token is in `output` (penalties.py)
+    prompt_seen: torch.Tensor | None = None  # [V] bool: the prompt's tokens (repetition penalty)
+    output_in_prompt: int = 0  # the prompt's last this many tokens were output (a continuation's): penalties count them
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and self.output_logprobs is None:
@@ -96,6 +99,8 @@ class Sequence:
                 break
             taken.append(t)
             self.output.append(t)
+            if self.output_counts is not None:
+                self.output_counts[t] += 1
             if t in self.stop_token_ids and len(self.output) > self.min_tokens:
                 self.finish_reason = "stop"
             elif self.remaining <= 0:
