@@ -143,7 +143,7 @@ class RegionTable:
 def resolve(descriptors: list[Descriptor], local: RegionTable, remote: RegionTable) -> list[Batch]:
     """Resolve a transfer's descriptors (every component, aux row included) into at most two
     WRITEs: the whole items of every component by index into the prepared per-item lists, then
-    the byte ranges (a partly filled last page, an item cut by an offset) through one-off lists. A
+    the byte ranges (the aux row, anything not on item boundaries) through one-off lists. A
     descriptor starting on an item boundary on both sides sends its whole items by index and its
     tail as a range; any other descriptor is one range. One WRITE per request, not one per
     component: each WRITE costs a post, a notification and a completion check (on 2 cores about
