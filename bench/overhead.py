@@ -13,9 +13,10 @@ One run starts a real cluster (nats-server, registry, router, 1 prefill, 1 decod
    lone request is). Every
    service's request log carries stage stamps (CLOCK_MONOTONIC, shared by the processes), so the
    same requests are also shown hop by hop;
-2. sends one request per prompt length (W/2 .. 16W) and reads the bytes each transfer moved, with
-   the per-component split from the transfer plan: sliding-window components stay flat past the
-   window, full-attention ones grow linearly.
+2. sends one request per prompt length (16, W/2 .. 32W) and reads the bytes each transfer moved,
+   its descriptors and transfer time (prefill's request log), with the per-component split from
+   the transfer plan: sliding-window components stay flat past the window, full-attention ones
+   grow linearly, and descriptors count runs of whole pages (item-major storage), not layers.
 """
 from __future__ import annotations
 
@@ -200,7 +201,7 @@ def main() -> None:
     args = ap.parse_args()
     tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
     W = load_model().cfg.sliding_window
-    lengths = [W // 2, W, 2 * W, 4 * W, 8 * W, 16 * W]
+    lengths = [16, W // 2, W, 2 * W, 4 * W, 8 * W, 16 * W, 32 * W]
     short = heldout_prompts(tok, args.requests, args.prompt_len, seed=1)
     growing = [heldout_prompts(tok, 1, n, seed=n)[0] for n in lengths]
     with running_cluster(worker_args=["--num-pages", "1024"]) as cluster:
@@ -233,14 +234,16 @@ def main() -> None:
     for name, v in hops.items():
         print(f"{name:<36} {v['p50']:>8.2f} {v['p90']:>8.2f} {v['mean']:>8.2f}")
     print(f"\ntransfer bytes per request (k=3, draft state travels):")
-    print(f"{'prompt':>7} {'measured':>10} " + " ".join(f"{c:>16}" for c in plan_bytes(W)))
+    print(f"{'prompt':>7} {'measured':>10} {'descs':>6} {'ms':>7} {'ttft_ms':>8} "
+          + " ".join(f"{c:>16}" for c in plan_bytes(W)))
     growth = []
-    sent = {r["request_id"]: r["transfer_bytes"] for r in request_log(log_dir, "prefill")}
     for n, r in zip(lengths, grow_rows):
-        r["transfer_bytes"] = sent[r["request_id"]]  # prefill's own count (its reply may trail the stream)
+        sent = prefill[r["request_id"]]  # prefill's own count (its reply may trail the stream)
         split = plan_bytes(n)
-        growth.append({"prompt_tokens": n, "transfer_bytes": r["transfer_bytes"], "by_component": split})
-        print(f"{n:>7} {r['transfer_bytes']:>10,} " + " ".join(f"{b:>16,}" for b in split.values()))
+        growth.append({"prompt_tokens": n, "transfer_bytes": sent["transfer_bytes"], "by_component": split,
+                       "descriptors": sent["descriptors"], "transfer_ms": sent["transfer_ms"], "ttft_ms": r["ttft_ms"]})
+        print(f"{n:>7} {sent['transfer_bytes']:>10,} {sent['descriptors']:>6} {sent['transfer_ms']:>7.2f} "
+              f"{r['ttft_ms']:>8.2f} " + " ".join(f"{b:>16,}" for b in split.values()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"latency": table, "hops": hops, "requests": rows, "transfer_growth": growth}, indent=2))

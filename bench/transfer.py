@@ -3,15 +3,21 @@
     python bench/transfer.py --json out/transfer.json
 
 The sender (this process) and the receiver (a spawned child), each on uvloop as the services
-are, hold KV-like pools: `--layers` regions of `--page-kib` pages, plus an aux region. A payload
-of S bytes is min(layers, S / page) layers of S / (layers * page) pages each plus one aux row,
-sent through `TransferAgent.write` (prepared per-peer lists, completion watched by the agent's
-NIXL thread) as the descriptors Baton's transfer plan makes: one per run of pages adjacent on both
-sides (`merge_runs`). `--shape` picks the page ids, on each side:
-  random      drawn at random, per layer: nothing merges (the worst case)
+are, hold a KV-like pool of `--layers` layers with `--page-kib` bytes per layer and page, plus an
+aux region, laid out per `--layout`:
+  item   (default, Baton's KVStore) one region, item-major: a page holds every layer
+         (layers x page-kib bytes), so a run of pages adjacent on both sides is one descriptor.
+         A payload of S bytes is ceil(S / (layers * page)) pages (at least one).
+  layer  the per-layer layout Baton had before, for an A/B: one region per layer; a payload is
+         min(layers, S / page) layers of S / (layers * page) pages each, one descriptor per run
+         per layer.
+Each request's bytes and one aux row go through `TransferAgent.write` (prepared per-peer lists,
+completion watched by the agent's NIXL thread) as the descriptors Baton's transfer plan makes: one
+per run of pages adjacent on both sides (`merge_runs`). `--shape` picks the page ids, on each side:
+  random      drawn at random (per layer in the layer layout): nothing merges (the worst case)
   churn       one page table for all layers, as the KV store allocates it (`IdPool`) after random
               requests came and went, fresh each iteration
-  contiguous  0..n-1: one descriptor per layer (a fresh pool)
+  contiguous  0..n-1: one descriptor (per layer in the layer layout; a fresh pool)
 `--inflight N` starts N requests' `write()`s together, on disjoint pages (one churned pool for all of
 them), as a prefill worker under load does: their fixed costs overlap with each other's copies.
 The byte columns then count all N payloads (S below is N x the payload).
@@ -19,13 +25,14 @@ Every timed copy starts after a sweep over a buffer twice the size of the last-l
 none of them finds the bytes that the one before it moved still cached (a 16 MiB payload fits in a
 32 MiB L3). Pools are on 2 MiB huge pages, as the KV store allocates them (`--small-pages`: torch's own 4 KiB
 pages, to see what huge pages are worth); the copy baselines always are. Columns (GB/s = 1e9 B/s, medians):
+  descs    descriptors of one request's WRITE list: its KV runs plus the aux row
   write    S / time of `write()` (post to every WRITE DONE; the last one, with --inflight)
   arrive   S / time from `write()` start to the receiver's (last) ARRIVED event
   nixl     the same descriptors (all requests' together) as one WRITE by a second, bare NIXL
            agent in this process: prepared lists, post, poll to DONE on one thread, no
            notification, no Baton: NIXL's own ceiling for this shape
-  nixl/pg  the same bytes as `nixl`, one descriptor per page (as Baton's prepared per-item lists
-           send whole pages): what a descriptor costs
+  nixl/pg  the same bytes as `nixl`, one descriptor per item (as Baton's prepared per-item lists
+           send whole items): what a descriptor costs
   cma      the same descriptors copied by raw process_vm_writev calls (1024 iovecs per call):
            the ceiling of UCX's cma transport for this shape, without NIXL or Baton
   copy1    contiguous copy of S bytes in this process on one thread (`np.copyto`, a memcpy; a
@@ -65,6 +72,7 @@ KV = "target/FULL"
 AUX_BYTES = 4096
 SIZES = "64K,256K,1M,4M,16M,64M,256M"
 SHAPES = ("random", "churn", "contiguous")
+LAYOUTS = ("item", "layer")
 CHURN_ROUNDS = 8
 COLUMNS = {"write": "write_gbps", "arrive": "arrive_gbps", "nixl": "nixl_gbps", "nixl/pg": "nixl_pages_gbps",
            "cma": "cma_gbps",
@@ -77,10 +85,13 @@ def parse_size(text: str) -> int:
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
-def make_pools(layers: int, pages: int, page: int, fill: bool, huge: bool,
+def make_pools(layout: str, layers: int, pages: int, page: int, fill: bool, huge: bool,
                aux_rows: int) -> dict[tuple[str, int], np.ndarray]:
+    """Byte arrays by region key: item layout one KV region [pages * layers * page] (item-major),
+    layer layout one [pages * page] per layer; and the aux region."""
     zeros = host_zeros if huge else lambda n: torch.zeros(n, dtype=torch.uint8)
-    pools = {(KV, layer): zeros(pages * page).numpy() for layer in range(layers)}
+    regions = 1 if layout == "item" else layers
+    pools = {(KV, i): zeros(pages * page * layers // regions).numpy() for i in range(regions)}
     pools[AUX_KEY, 0] = zeros(aux_rows * AUX_BYTES).numpy()
     rng = np.random.default_rng(0)
     for a in pools.values():  # touch every page now: real pools are resident
@@ -92,14 +103,16 @@ def host_zeros(nbytes: int) -> torch.Tensor:
     return huge_page_zeros((nbytes,), torch.uint8)  # [nbytes], as the KV store allocates pools
 
 
-def regions_of(pools, page: int) -> list[Region]:
-    return [Region(key, layer, a.ctypes.data, a.nbytes, AUX_BYTES if key == AUX_KEY else page)
+def regions_of(pools, item: int) -> list[Region]:
+    """`item`: bytes of one KV item (a page of every layer, or of one layer)."""
+    return [Region(key, layer, a.ctypes.data, a.nbytes, AUX_BYTES if key == AUX_KEY else item)
             for (key, layer), a in pools.items()]
 
 
 # --- receiver process -------------------------------------------------------------------------
-def receiver(conn, layers: int, pages: int, page: int, huge: bool, aux_rows: int) -> None:
-    run(_receive(conn, make_pools(layers, pages, page, fill=False, huge=huge, aux_rows=aux_rows), page))
+def receiver(conn, layout: str, layers: int, pages: int, page: int, huge: bool, aux_rows: int) -> None:
+    pools = make_pools(layout, layers, pages, page, fill=False, huge=huge, aux_rows=aux_rows)
+    run(_receive(conn, pools, item_bytes(layout, layers, page)))
 
 
 def run(coro):
@@ -121,9 +134,9 @@ async def received(conn):
     return conn.recv()
 
 
-async def _receive(conn, pools, page: int) -> None:
-    async with TransferAgent("bench-decode", regions_of(pools, page)) as agent:
-        conn.send((agent.metadata(), regions_of(pools, page)))
+async def _receive(conn, pools, item: int) -> None:
+    async with TransferAgent("bench-decode", regions_of(pools, item)) as agent:
+        conn.send((agent.metadata(), regions_of(pools, item)))
         while True:
             op, *args = await received(conn)
             if op == "stop":
@@ -140,24 +153,34 @@ async def _receive(conn, pools, page: int) -> None:
 
 
 # --- sender -----------------------------------------------------------------------------------
-def pages_per_layer(payload: int, layers: int, page: int) -> int:
-    return max(1, payload // (layers_used(payload, layers, page) * page))
+def item_bytes(layout: str, layers: int, page: int) -> int:
+    return layers * page if layout == "item" else page
 
 
-def layers_used(payload: int, layers: int, page: int) -> int:
-    return max(1, min(layers, payload // page))
+def pages_per_layer(layout: str, payload: int, layers: int, page: int) -> int:
+    """Pages of one request (item layout: each holds every layer)."""
+    if layout == "item":
+        return max(1, -(-payload // (layers * page)))
+    return max(1, payload // (layers_used(layout, payload, layers, page) * page))
 
 
-def plan(payload: int, layers: int, pages: int, page: int, rng, shape: str, inflight: int) -> list[list[Descriptor]]:
+def layers_used(layout: str, payload: int, layers: int, page: int) -> int:
+    """Regions a request touches: the one item-major region, or some layer regions."""
+    return 1 if layout == "item" else max(1, min(layers, payload // page))
+
+
+def plan(layout: str, payload: int, layers: int, pages: int, page: int, rng, shape: str,
+         inflight: int) -> list[list[Descriptor]]:
     """The descriptors of `inflight` requests of `payload` bytes each, on disjoint pages; request
     i's aux row is row i on both sides."""
-    used, per_layer = layers_used(payload, layers, page), pages_per_layer(payload, layers, page)
+    used, per_layer = layers_used(layout, payload, layers, page), pages_per_layer(layout, payload, layers, page)
+    item = item_bytes(layout, layers, page)
     requests: list[list[Descriptor]] = [[] for _ in range(inflight)]
     for layer in range(used):
         if shape == "random" or layer == 0:
             tables = [page_tables(shape, per_layer, inflight, pages, rng) for _ in range(2)]  # src, dst
         for out, src, dst in zip(requests, *tables):
-            out += [Descriptor(KV, layer, s * page, d * page, n * page) for s, d, n in merge_runs(src, dst)]
+            out += [Descriptor(KV, layer, s * item, d * item, n * item) for s, d, n in merge_runs(src, dst)]
     return [out + [Descriptor(AUX_KEY, 0, i * AUX_BYTES, i * AUX_BYTES, AUX_BYTES)] for i, out in enumerate(requests)]
 
 
@@ -186,7 +209,7 @@ def churned(pages: int, need: int, rng) -> IdPool:
 
 
 def per_page(descriptors: list[Descriptor], page: int) -> list[Descriptor]:
-    """The same bytes as one descriptor per page (and one for a shorter tail)."""
+    """The same bytes as one descriptor per item (and one for a shorter tail)."""
     return [Descriptor(d.component_key, d.layer_index, d.src_offset + at, d.dst_offset + at, min(page, d.nbytes - at))
             for d in descriptors for at in range(0, d.nbytes, page)]
 
@@ -280,7 +303,8 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
                                                            "copyt")}
     counts = []  # descriptors per request (churn: each iteration has its own page tables)
     for i in range(args.warmup + args.iters):
-        requests = plan(payload, args.layers, args.pages, args.page_kib << 10, rng, args.shape, args.inflight)
+        requests = plan(args.layout, payload, args.layers, args.pages, args.page_kib << 10, rng, args.shape,
+                        args.inflight)
         nbytes = sum(x.nbytes for r in requests for x in r[:-1])  # all requests, aux rows aside
         counts += [len(r) for r in requests]
         if i == 0:
@@ -298,7 +322,7 @@ async def measure(agent: TransferAgent, conn, pools, payload: int, args, rng, ta
         kinds, arrived = await received(conn)
         assert all(r.ok for r in results) and kinds == [EventKind.ARRIVED.value], (results, kinds)
         every = [d for r in requests for d in r]
-        pages = per_page(every, args.page_kib << 10)
+        pages = per_page(every, item_bytes(args.layout, args.layers, args.page_kib << 10))
         sample = {"write": t1 - t0, "arrive": arrived - t0}
         for key, measured in (("nixl", lambda: args.raw.seconds(every, args.local, args.remote)),
                               ("nixl_pages", lambda: args.raw.seconds(pages, args.local, args.remote)),
@@ -339,7 +363,7 @@ def timed(fn, *args) -> float:
 async def send(args, conn, pools) -> list[dict]:
     rng = np.random.default_rng(1)
     rows, tag = [], 0
-    async with TransferAgent("bench-send", regions_of(pools, args.page_kib << 10),
+    async with TransferAgent("bench-send", regions_of(pools, item_bytes(args.layout, args.layers, args.page_kib << 10)),
                              copy_threads=args.copy_threads) as agent:
         meta, regions = conn.recv()
         await agent.add_peer("bench-decode", meta, regions)
@@ -366,6 +390,9 @@ def main() -> None:
     ap.add_argument("--page-kib", type=int, default=64,
                     help="page bytes per layer (64 KiB: 16 tokens x 8 KV heads x 128 dims x K,V x bf16)")
     ap.add_argument("--shape", choices=SHAPES, default="random", help="page ids on both sides (see above)")
+    ap.add_argument("--layout", choices=LAYOUTS, default="item",
+                    help="item: one item-major region, a page holds every layer (Baton's); layer: a region "
+                         "per layer (the old layout, for an A/B)")
     ap.add_argument("--small-pages", action="store_true",
                     help="pools on torch's own allocation (4 KiB pages) instead of the KV store's huge pages")
     ap.add_argument("--inflight", type=int, default=1,
@@ -384,18 +411,20 @@ def main() -> None:
     if args.copy_threads < 0:
         ap.error("--copy-threads must be >= 0")
     # pages per layer region: every in-flight request's pages, 25% spare
-    needed = max(pages_per_layer(parse_size(s), args.layers, page) for s in args.sizes.split(","))
+    needed = max(pages_per_layer(args.layout, parse_size(s), args.layers, page) for s in args.sizes.split(","))
     args.pages = -(-needed * args.inflight * 5 // 4)
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=receiver, args=(child_conn, args.layers, args.pages, page, not args.small_pages,
-                                               args.inflight), daemon=True)
+    child = ctx.Process(target=receiver, args=(child_conn, args.layout, args.layers, args.pages, page,
+                                               not args.small_pages, args.inflight), daemon=True)
     child.start()
     args.receiver_pid = child.pid
-    pools = make_pools(args.layers, args.pages, page, fill=True, huge=not args.small_pages, aux_rows=args.inflight)
+    pools = make_pools(args.layout, args.layers, args.pages, page, fill=True, huge=not args.small_pages,
+                       aux_rows=args.inflight)
     args.torch_threads = torch.get_num_threads()
     args.sweep = CacheSweep()
-    print(f"pages {args.shape}, {args.page_kib} KiB, {'4 KiB' if args.small_pages else '2 MiB'} memory pages, "
+    print(f"layout {args.layout}, {args.layers} layers, pages {args.shape}, {args.page_kib} KiB per layer, "
+          f"{'4 KiB' if args.small_pages else '2 MiB'} memory pages, "
           f"{args.inflight} request(s) in flight, copy threads {args.copy_threads}, "
           f"torch threads {args.torch_threads}, UCX_TLS={os.environ.get('UCX_TLS', '(default)')}, "
           f"{'uvloop' if uvloop is not None else 'asyncio loop (no uvloop)'}")
@@ -405,7 +434,8 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-        args.json.write_text(json.dumps({"bench": "transfer", "layers": args.layers, "page_bytes": page,
+        args.json.write_text(json.dumps({"bench": "transfer", "layout": args.layout, "layers": args.layers,
+                                         "page_bytes": page,
                                          "shape": args.shape, "huge_pages": not args.small_pages, "iters": args.iters,
                                          "inflight": args.inflight, "copy_threads": args.copy_threads,
                                          "torch_threads": args.torch_threads, "ucx_env": env,

@@ -1,10 +1,11 @@
 """Pack a request's rows (ring wrap-around, scattered pages) into one contiguous staging buffer,
 and unpack them back: a transfer of many small runs becomes one descriptor.
 
-    src/dst view  [R, E] (one layer: data[l].view(-1, E)) or [L, R, E] (every layer of a
-                  component: data.view(L, -1, E)), E = elements of one row (2 * kv_heads *
-                  head_dim for KV; item bytes for aux); the last dimension must be contiguous
-    rows          [n] long, physical rows (kv.store rows(), kv.descriptors alloc_rows())
+    src/dst view  [R, E] (one layer: store.kv_rows(l).view(-1, E)) or [L, R, E] (every layer
+                  of an item-major component as one strided view: layer stride item_rows * E,
+                  row stride E), E = elements of one row (2 * kv_heads * head_dim for KV; item
+                  bytes for aux); the last dimension must be contiguous, other strides are free
+    rows          [n] long, physical rows (kv.store rows())
     staging       [n, E] or [L, n, E], row i of staging is row rows[i] of the view
 
 pack_rows(view, rows, out=None) -> staging      staging[..., i, :] = view[..., rows[i], :]

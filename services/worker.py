@@ -50,7 +50,7 @@ class WorkerConfig:
 
 
 def regions_of(manifest: Manifest) -> list[Region]:
-    """NIXL regions of a manifest: one per layer of every component."""
+    """NIXL regions of a manifest: one per component (item-major: every layer in each item)."""
     return [Region(comp.name, i, r.addr, r.nbytes, r.item_bytes)
             for comp in manifest.components for i, r in enumerate(comp.regions)]
 

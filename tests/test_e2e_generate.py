@@ -2,10 +2,13 @@
 `transformers` generate token for token; streaming equals non-streaming; cancel frees everything;
 bad input gets the right error code and the services keep serving."""
 import asyncio
+import json
+import time
+from pathlib import Path
 
 import msgpack
-import torch
 import pytest
+import torch
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError
@@ -262,3 +265,23 @@ def test_penalised_greedy_equals_transformers_penalised_step_by_step(cluster, re
     assert reply.token_ids == want and reply.finish_reason == "length"
     assert reply.token_ids != reference.greedy(p, 24)  # the penalties changed the output
     assert reply.spec.accepted > 0
+
+
+def test_prefill_logs_each_transfer_with_its_descriptor_count(cluster):
+    """The per-request line of prefill carries the WRITE's descriptor count (item-major storage:
+    one per run of pages, one per ring slot, the aux row) next to its bytes and time."""
+    reply = asyncio.run(generate(cluster.nats_url, token_ids=window_prompts()[0], max_tokens=2))
+
+    def logged() -> list[dict]:
+        lines = [line for path in Path(cluster.log_dir).glob("prefill-*.log")
+                 for line in path.read_text().splitlines() if "baton.requests: " in line]
+        rows = [json.loads(line.split("baton.requests: ", 1)[1]) for line in lines]
+        return [r for r in rows if r["request_id"] == reply.request_id]
+
+    deadline = time.monotonic() + 60
+    while not logged():  # the line is written once the WRITE ends, maybe after the reply
+        assert time.monotonic() < deadline, "prefill logged no line for the request"
+        time.sleep(0.05)
+    (row,) = logged()
+    assert row["outcome"] == "done" and row["transfer_bytes"] > 0
+    assert 4 <= row["descriptors"] <= 8  # FULL run(s), target and draft ring slots, the aux row

@@ -91,6 +91,32 @@ def test_mixed_batch_matches_reference(layout, window, dtype):
     assert_matches(args, chunk_attention_triton(*args))
 
 
+def item_major(args, layer: int, layers: int, item_rows: int):
+    """The same batch with its cache inside an item-major component [items, layers, item_rows,
+    2, Hkv, D] (random data in the other layers), read as KVStore.kv_rows(layer) reads it: a view
+    from the layer's first row on, row item * layers * item_rows + offset."""
+    q, q_pos, k_new, v_new, k_cache, v_cache, old_rows, old_pos, window = args
+    per_layer = torch.stack((k_cache, v_cache), 1).view(-1, item_rows, 2, *k_cache.shape[1:]).cpu()  # [items, rows, 2, Hkv, D]
+    data = torch.randn(per_layer.shape[0], layers, *per_layer.shape[1:]).to(per_layer.dtype)
+    data[:, layer] = per_layer
+    view = data.view(-1, *per_layer.shape[2:])[layer * item_rows:].to(DEVICE)  # [rows, 2, Hkv, D]
+    rows = old_rows // item_rows * (layers * item_rows) + old_rows % item_rows
+    return q, q_pos, k_new, v_new, view[:, 0], view[:, 1], rows, old_pos, window
+
+
+@pytest.mark.parametrize("layout,window,item_rows", [("paged", None, 4), ("ring", 6, 9)],
+                         ids=["full-paged", "swa-ring"])
+@pytest.mark.parametrize("layer", [0, 2])
+def test_item_major_layer_views_match_the_per_layer_cache(layout, window, item_rows, layer):
+    """Strided layer views of an item-major component (docs/architecture.md) give both paths
+    the same answer as a contiguous per-layer cache."""
+    args = make_batch(MIXED, layout=layout, window=window, H=4, Hkv=2, D=16, dtype=torch.float32, seed=5)
+    strided = item_major(args, layer, layers=3, item_rows=item_rows)
+    assert_matches(args, chunk_attention_triton(*strided))
+    valid = args[1] >= 0  # the reference's padded queries attend everything: compare valid ones
+    assert torch.equal(chunk_attention_reference(*strided)[valid], chunk_attention_reference(*args)[valid])
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_mqa_bf16_and_long_cache(window):
     """One KV head for 4 query heads; bf16 (cast to fp32 inside the kernel under the interpreter);

@@ -65,7 +65,9 @@ class TestDraftStateRegistration:
         target, draft = m.component(f"target/{kind}"), m.component(f"draft/{kind}")
         assert target.ident.layer_ids == (0, 1, 3) and draft.ident.layer_ids == (4,)
         assert target.geometry.window == draft.geometry.window == W
-        assert len(draft.regions) == 1 and len(target.regions) == 3
+        assert len(draft.regions) == len(target.regions) == 1  # item-major: one region each
+        assert (target.geometry.layers_per_item, draft.geometry.layers_per_item) == (3, 1)
+        assert target.geometry.item_bytes == 3 * target.geometry.item_rows * target.geometry.row_bytes
         for comp in m.components:  # every region lies in its own component's tensor
             assert {region_owner(store, r.addr) for r in comp.regions} == {comp.name}
         if mode == "paged":
@@ -152,6 +154,8 @@ class TestRefusals:
         ("target/FULL", dict(dtype="bfloat16"), "row_bytes"),
         ("target/SWA_RING", dict(window=4), "window=4"),
         ("aux/AUX", dict(item_rows=2), "item_rows=2"),
+        ("target/SWA_RING", dict(order="layer_major"), "order=layer_major"),
+        ("target/SWA_RING", dict(layers_per_item=1), "layers_per_item=1"),
     ])
     def test_wrong_geometry_names_the_component(self, name, change, what):
         _, m = make_manifest("ring", draft=False)
@@ -160,7 +164,7 @@ class TestRefusals:
 
     def test_ring_shorter_than_window(self):
         _, m = make_manifest("ring")
-        m = edit(edit(m, "target/SWA_RING", item_rows=W - 1, item_bytes=(W - 1) * 16),
+        m = edit(edit(m, "target/SWA_RING", item_rows=W - 1, item_bytes=3 * (W - 1) * 16),
                  "draft/SWA_RING", item_rows=W - 1, item_bytes=(W - 1) * 16)
         with pytest.raises(ManifestError, match="shorter than the window"):
             validate_manifest(CFG, m)
@@ -170,7 +174,17 @@ class TestRefusals:
         comp = m.component("target/FULL")
         bad = replace(comp, regions=(replace(comp.regions[0], nbytes=8),))
         m = replace(m, components=(bad,) + m.components[1:])
-        with pytest.raises(ManifestError, match="1 regions for 1 layer|region 0 is 8 bytes"):
+        with pytest.raises(ManifestError, match="region 0 is 8 bytes"):
+            validate_manifest(CFG, m)
+
+    def test_one_region_per_layer_is_refused(self):
+        """The per-layer layout (a region per layer) is not a manifest Baton serves."""
+        _, m = make_manifest("ring")
+        comp = m.component("target/SWA_RING")
+        per_layer = replace(comp, regions=comp.regions * 3)
+        m = replace(m, components=tuple(per_layer if c.name == comp.name else c for c in m.components))
+        with pytest.raises(ManifestError, match=r"target/SWA_RING has a wrong geometry: 3 regions "
+                                                r"\(expected one for the whole component\)"):
             validate_manifest(CFG, m)
 
     def test_mode_and_role(self):

@@ -25,9 +25,9 @@ def make_cfg(layer_types=(S, S, F, S), mtp_layer_types=(S,), window=W) -> ModelC
 CFG = make_cfg()
 
 
-def worker(role, mode="ring", cfg=CFG, draft=True, num_pages=80, **kw):
+def worker(role, mode="ring", cfg=CFG, draft=True, num_pages=80, num_slots=3, **kw):
     kw = {"page_size": PS, "max_draft_tokens": K, **kw}
-    store = KVStore(cfg, mode=mode, num_pages=num_pages, num_slots=3, draft_enabled=draft, **kw)
+    store = KVStore(cfg, mode=mode, num_pages=num_pages, num_slots=num_slots, draft_enabled=draft, **kw)
     return store, store.manifest(f"{role}-1", "sha256:m", role=role)
 
 
@@ -35,15 +35,20 @@ def names(plan):
     return [p.src.name for p in plan.pairs]
 
 
-def expand(descs, row_bytes):
-    """{(component, layer, src_row, dst_row)} covered by KV descriptors (checks row alignment)."""
+def expand(descs, item_bytes):
+    """{(component, src_item, dst_item)} covered by KV descriptors (checks item alignment)."""
     out = set()
     for d in descs:
-        assert d.src_offset % row_bytes == d.dst_offset % row_bytes == d.nbytes % row_bytes == 0
-        for i in range(d.nbytes // row_bytes):
-            out.add((d.component_key, d.layer_index, d.src_offset // row_bytes + i,
-                     d.dst_offset // row_bytes + i))
+        ib = item_bytes[d.component_key]
+        assert d.layer_index == 0 and d.src_offset % ib == d.dst_offset % ib == d.nbytes % ib == 0
+        out |= {(d.component_key, d.src_offset // ib + i, d.dst_offset // ib + i) for i in range(d.nbytes // ib)}
     return out
+
+
+def runs(pairs):
+    """How many runs of (src, dst) item pairs, sorted by src, step by one on both sides."""
+    pairs = sorted(pairs)
+    return sum(1 for i, (s, d) in enumerate(pairs) if i == 0 or (s - pairs[i - 1][0], d - pairs[i - 1][1]) != (1, 1))
 
 
 def prepare(store, rid, length, num_tokens=None, skip=0):
@@ -143,7 +148,7 @@ class TestPlanRefusals:
             make_plan(p, replace(d, fingerprint="sha256:other"))
 
     @pytest.mark.parametrize("mode,change,component,what", [
-        ("ring", dict(max_draft_tokens=K + 1), "target/SWA_RING", "item_bytes 176 != 192"),
+        ("ring", dict(max_draft_tokens=K + 1), "target/SWA_RING", "item_bytes 528 != 576"),
         ("paged", dict(page_size=8), "target/FULL", "item_bytes 64 != 128"),
         ("ring", dict(dtype=torch.bfloat16), "target/FULL", "dtype float32 != bfloat16"),
     ])
@@ -151,6 +156,21 @@ class TestPlanRefusals:
         _, p = worker("prefill", mode)
         _, d = worker("decode", mode, **change)
         with pytest.raises(PlanError, match=rf"component {component}: prefill and decode "
+                                            rf"geometry differ .*{what}"):
+            make_plan(p, d)
+
+    @pytest.mark.parametrize("change,what", [
+        (dict(order="layer_major"), "order item_major != layer_major"),
+        (dict(layers_per_item=1), "layers_per_item 3 != 1"),
+    ])
+    def test_a_peer_with_another_layout_is_refused_by_name(self, change, what):
+        """Seed 003: the layout is geometry; a peer storing items another way is never paired."""
+        _, p = worker("prefill")
+        _, d = worker("decode")
+        comp = d.component("target/SWA_RING")
+        other = replace(comp, geometry=replace(comp.geometry, **change))
+        d = replace(d, components=tuple(other if c is comp else c for c in d.components))
+        with pytest.raises(PlanError, match=rf"component target/SWA_RING: prefill and decode "
                                             rf"geometry differ .*{what}"):
             make_plan(p, d)
 
@@ -203,44 +223,54 @@ class TestPlanRefusals:
 class TestDescriptors:
     @pytest.mark.parametrize("mode", ["ring", "paged"])
     @pytest.mark.parametrize("length", [1, 2, W - 1, W, W + 1, 23, 30, 61])
-    def test_descriptors_cover_exactly_the_needed_rows(self, mode, length):
+    def test_descriptors_cover_the_items_of_exactly_the_needed_rows(self, mode, length):
+        """Item-major: a descriptor moves whole items (every layer); the items moved are exactly
+        those holding a needed row, one descriptor per run of them adjacent on both sides."""
         src_store, p = worker("prefill", mode)
         dst_store, d = worker("decode", mode)
         a, b = prepare(src_store, "r", length, skip=1), prepare(dst_store, "r", length, skip=3)
         plan = make_plan(p, d)
         descs = plan.descriptors(length, a, b)
-        row = kv_row_bytes(CFG, torch.float32)
+        item_bytes = {c.name: c.geometry.item_bytes for c in p.components}
         expected, sliding = set(), p.components[1].ident.kind
         for name, layers in (("target/FULL", [2]), (f"target/{sliding}", [0, 1, 3]),
                              (f"draft/{sliding}", [4])):
-            for index, layer in enumerate(layers):
+            for layer in layers:
                 start = 0 if name.endswith("FULL") else max(0, length - W + 1)
                 pos = torch.arange(start, length)
-                for s, t in zip(src_store.rows("r", layer, pos).tolist(),
-                                dst_store.rows("r", layer, pos).tolist()):
-                    expected.add((name, index, s, t))
-        assert expand([x for x in descs if x.component_key != "aux/AUX"], row) == expected
+                key = src_store.routing.key_of(layer)
+                src = src_store.rows("r", layer, pos) // src_store.item_stride(key)
+                dst = dst_store.rows("r", layer, pos) // dst_store.item_stride(key)
+                expected |= {(name, s, t) for s, t in zip(src.tolist(), dst.tolist())}
+        kv = [x for x in descs if x.component_key != "aux/AUX"]
+        assert expand(kv, item_bytes) == expected
+        for name in item_bytes:
+            if name != "aux/AUX":
+                pairs = {(s, t) for n, s, t in expected if n == name}
+                assert len([x for x in kv if x.component_key == name]) == runs(pairs)
         aux = [x for x in descs if x.component_key == "aux/AUX"]
         assert len(aux) == 1 and aux[0].nbytes == 24 + 6 * 4  # header + h_{L-1}
         src_store.check_integrity()
         dst_store.check_integrity()
 
-    def test_contiguous_pages_merge_into_one_run_and_a_ring_wraps_into_two(self):
+    def test_contiguous_pages_are_one_descriptor_for_every_layer_and_a_ring_slot_is_one(self):
         src_store, p = worker("prefill")
         dst_store, d = worker("decode")
         length = 37  # window 30..36 sits at ring rows 8, 9, 10, 0, 1, 2, 3 (R = 11): it wraps
         a, b = prepare(src_store, "r", length), prepare(dst_store, "r", length, skip=1)
         descs = make_plan(p, d).descriptors(length, a, b)
 
-        def per_layer(name):
-            return [x for x in descs if x.component_key == name and x.layer_index == 0]
+        def of(name, descs=descs):
+            return [x for x in descs if x.component_key == name]
 
-        assert len(per_layer("target/FULL")) == 1
-        assert per_layer("target/FULL")[0].nbytes == length * kv_row_bytes(CFG, torch.float32)
-        assert len(per_layer("target/SWA_RING")) == len(per_layer("draft/SWA_RING")) == 2
-        a, b = prepare(src_store, "q", 30), prepare(dst_store, "q", 30)  # window rows 1..7
-        no_wrap = make_plan(p, d).descriptors(30, a, b)
-        assert len([x for x in no_wrap if x.component_key == "target/SWA_RING"]) == 3  # 1 per layer
+        full = p.component("target/FULL").geometry
+        assert len(of("target/FULL")) == 1
+        assert of("target/FULL")[0].nbytes == -(-length // PS) * full.item_bytes
+        for name in ("target/SWA_RING", "draft/SWA_RING"):  # the whole slot, every layer
+            ring = p.component(name).geometry
+            assert [(x.src_offset, x.nbytes) for x in of(name)] == [(a.slot * ring.item_bytes, ring.item_bytes)]
+        a, b = prepare(src_store, "q", 30), prepare(dst_store, "q", 30)  # window rows 1..7: no wrap
+        assert len(of("target/SWA_RING", make_plan(p, d).descriptors(30, a, b))) == 1
 
     def test_runs_are_merged_across_pages_in_any_order(self):
         """Pages handed out in reverse still merge where both sides are contiguous."""
@@ -250,7 +280,37 @@ class TestDescriptors:
         rev = lambda x, base: replace(x, page_ids=tuple(base + 3 - i for i in range(4)))
         descs = make_plan(p, d).descriptors(16, rev(a, 10), rev(b, 20))
         full = [x for x in descs if x.component_key == "target/FULL"]
-        assert len(full) == 1 and (full[0].src_offset, full[0].dst_offset) == (40 * 16, 80 * 16)
+        item = p.component("target/FULL").geometry.item_bytes
+        assert len(full) == 1 and (full[0].src_offset, full[0].dst_offset) == (10 * item, 20 * item)
+
+    @pytest.mark.parametrize("mode", ["ring", "paged"])
+    def test_a_churned_pool_moves_one_descriptor_per_run_of_pages(self, mode):
+        """After random requests came and went on both sides, a request's pages are scattered:
+        the FULL (and paged SWA) descriptors are exactly the runs adjacent on both sides."""
+        rng = random.Random(3)
+        stores = [worker(role, mode, num_pages=160, num_slots=100) for role in ("prefill", "decode")]
+        for store, _ in stores:  # fill with requests of 1..3 pages, then half of them leave
+            live = []
+            while store.free_capacity().pages >= 3 and store.free_capacity().slots > 1:
+                live.append(f"f{len(live)}")
+                store.allocate(live[-1], rng.randint(1, 3 * PS))
+            for rid in rng.sample(live, len(live) // 2):
+                store.free(rid)
+        (src_store, p), (dst_store, d) = stores
+        length = 90
+        a, b = prepare(src_store, "r", length), prepare(dst_store, "r", length)
+        plan, item_bytes = make_plan(p, d), {c.name: c.geometry.item_bytes for c in p.components}
+        descs = plan.descriptors(length, a, b)
+        full = [x for x in descs if x.component_key == "target/FULL"]
+        pages = set(zip(a.page_ids[:-(-length // PS)], b.page_ids))
+        assert runs(pages) == len(full) > 1  # scattered, yet not one per page
+        assert expand(full, item_bytes) == {("target/FULL", s, t) for s, t in pages}
+        if mode == "paged":
+            window = [i for i, s in enumerate(a.swa_page_ids) if s >= 0 and i * PS + PS > length - W + 1]
+            swa = {(a.swa_page_ids[i], b.swa_page_ids[i]) for i in window}
+            assert len([x for x in descs if x.component_key == "target/SWA"]) == runs(swa)
+        for store, _ in stores:
+            store.check_integrity()
 
     @pytest.mark.parametrize("mode", ["ring", "paged"])
     def test_sliding_bytes_stay_constant_as_the_prompt_grows(self, mode):
@@ -265,9 +325,11 @@ class TestDescriptors:
             total = lambda pred: sum(x.nbytes for x in descs if pred(x.component_key))
             moved[length] = (total(lambda n: n.endswith("FULL")),
                              total(lambda n: "SWA" in n), total(lambda n: n == "aux/AUX"))
+        # whole items: the ring slot (W + K rows), or the 2 SWA pages holding positions L-W+1..L-1
+        sliding_rows = W + K if mode == "ring" else 2 * PS
         for length, (full, sliding, aux) in moved.items():
-            assert full == length * row * 1  # one full layer: linear in L
-            assert sliding == (W - 1) * row * 4  # 3 target + 1 draft sliding layers: constant
+            assert full == length * row * 1  # one full layer: linear in L (L is whole pages here)
+            assert sliding == sliding_rows * row * 4  # 3 target + 1 draft sliding layers: constant
             assert aux == moved[W][2]
 
     def test_decode_must_hold_the_positions(self):
@@ -309,8 +371,8 @@ def region_bytes(store, name, layer_index):
     """The byte view of one region (what NIXL registers)."""
     if name == "aux/AUX":
         return store.aux[0].view(-1)
-    data = {k.name: t for k, t in store.data.items()}[name]
-    return data[layer_index].view(-1).view(torch.uint8)
+    assert layer_index == 0  # item-major: one region per component
+    return {k.name: t for k, t in store.data.items()}[name].view(-1).view(torch.uint8)
 
 
 @pytest.mark.parametrize("mode", ["ring", "paged"])

@@ -73,10 +73,12 @@ def test_ring_rows_are_position_mod_ring_size():
     alloc = store.allocate("a", 40)
     store.extend("a", 37)
     R = W + K
+    stride = store.item_stride(store.routing.key_of(0))  # a slot holds layers 0 and 2: 2 * R rows
+    assert stride == 2 * R
     assert store.first_resident("a", 0) == 37 - R
     rows = store.rows("a", 0, torch.arange(37 - R, 37))
-    assert rows.tolist() == [alloc.slot * R + p % R for p in range(37 - R, 37)]
-    assert sorted(rows.tolist()) == list(range(alloc.slot * R, alloc.slot * R + R))
+    assert rows.tolist() == [alloc.slot * stride + p % R for p in range(37 - R, 37)]
+    assert sorted(rows.tolist()) == list(range(alloc.slot * stride, alloc.slot * stride + R))
     with pytest.raises(KVError, match="positions must lie in"):
         store.rows("a", 0, torch.tensor([37 - R - 1]))
     store.check_integrity()
@@ -96,7 +98,9 @@ def test_paged_swa_releases_pages_that_leave_the_window():
     assert store.swa.pool.num_free == free0  # mapping never takes beyond the reservation
     # the full->SWA mapping is the one addressing table of target and draft sliding layers
     pos = torch.arange(60, 63)
-    assert torch.equal(store.rows("a", 0, pos), store.rows("a", 3, pos))
+    target, draft = (store.item_stride(store.routing.key_of(layer)) for layer in (0, 3))
+    assert torch.equal(store.rows("a", 0, pos) // target, store.rows("a", 3, pos) // draft)  # pages
+    assert torch.equal(store.rows("a", 0, pos) % target, store.rows("a", 3, pos) % draft)
     store.free("a")
     store.check_integrity()
 
@@ -216,12 +220,19 @@ def test_full_attention_draft_shares_the_target_page_table(mode):
 
 
 def test_kv_buffer_views_share_storage_with_the_component(mode):
+    """Item-major: a layer's rows are a view of the component; row i * item_stride + o is
+    offset o of item i in that layer, and writing it touches no other layer."""
     store = make_store(mode)
     k, v = store.kv_buffer(2)
     key, index = store._layer[2]
-    assert k.shape == v.shape == (store.data[key].shape[1] * store.data[key].shape[2], 1, 2)
-    k[5] = 7.0
-    assert store.data[key][index].view(-1, 2, 1, 2)[5, 0].eq(7.0).all()
+    data = store.data[key]  # [items, layers, item_rows, 2, kv_heads, head_dim]
+    assert index == 1 and data.shape[1] == 2
+    item, offset = 1, 2
+    k[item * store.item_stride(key) + offset] = 7.0
+    v[item * store.item_stride(key) + offset] = -7.0
+    assert data[item, index, offset, 0].eq(7.0).all() and data[item, index, offset, 1].eq(-7.0).all()
+    assert data.abs().sum() == 7.0 * 2 * data[0, 0, 0, 0].numel()  # nothing else was written
+    assert k.data_ptr() == data[0, index].data_ptr()  # a view, no copy
     store.check_integrity()
 
 

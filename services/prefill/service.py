@@ -316,7 +316,8 @@ class PrefillWorker:
         self.metrics.requests.labels(result.status.value).inc()
         log_request("prefill", rid, outcome=result.status.value, prompt_tokens=len(job.dispatch.token_ids),
                     prefill_ms=round(prefill_ms, 2), transfer_ms=round(result.seconds * 1000, 2),
-                    transfer_bytes=result.nbytes, decode=target.decode_worker_id, error=result.error or None, at=job.at)
+                    transfer_bytes=result.nbytes, descriptors=len(descriptors), decode=target.decode_worker_id,
+                    error=result.error or None, at=job.at)
         if result.ok:
             self.metrics.transfer_bytes.inc(result.nbytes)
             self.metrics.transfer_seconds.observe(result.seconds)

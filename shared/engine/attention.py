@@ -100,10 +100,11 @@ class StoreAttention:
 
     def _read_meta(self, key: PoolKey, low: np.ndarray) -> _PoolMeta:
         store, ps, B = self.store, self.store.page_size, len(self.chunks)
+        stride = store.item_stride(key)  # rows from one item to the next (item-major storage)
         starts = self._starts[:, None]  # [B, 1]
         if key.kind == SWA_RING:
             ring = np.arange(store.span)
-            rows = self._slots[:, None] * store.span + ring  # [B, R]
+            rows = self._slots[:, None] * stride + ring  # [B, R]
             pos = (starts - 1) - (starts - 1 - ring) % store.span  # latest position < start in each row
         else:
             pages = -(-int(self._starts.max()) // ps)  # FULL: every page below the latest start
@@ -115,7 +116,7 @@ class StoreAttention:
             if key.kind == SWA:
                 page = np.maximum(store.swa.table[page], 0)  # [B, P] SWA page ids
             offs = np.arange(ps)
-            rows = (page[:, :, None] * ps + offs).reshape(B, -1)  # [B, P*ps]
+            rows = (page[:, :, None] * stride + offs).reshape(B, -1)  # [B, P*ps]
             pos = (cols[:, :, None] * ps + offs).reshape(B, -1)
         old_pos = np.where((pos >= low[:, None]) & (pos < starts), pos, -1)  # [B, M]
         window = self.store.windows[key]
@@ -125,7 +126,7 @@ class StoreAttention:
     def _writes(self, key: PoolKey, reqs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows of the new tokens' K/V after the extend; sliding pools keep only what storage holds
         (a prefill chunk longer than the ring writes its last rows only)."""
-        store, ps = self.store, self.store.page_size
+        store, ps, stride = self.store, self.store.page_size, self.store.item_stride(key)
         pos, slots, keep = self._positions, np.repeat(self._slots, self._ns), None
         if key.kind != FULL:
             floors = np.repeat(np.array([r.floor for r in reqs], dtype=np.int64), self._ns)
@@ -133,10 +134,10 @@ class StoreAttention:
                 keep = np.flatnonzero(pos >= floors)
                 pos, slots = pos[keep], slots[keep]
         if key.kind == SWA_RING:
-            rows = slots * store.span + pos % store.span
+            rows = slots * stride + pos % store.span
         else:
             page = store.block_table[slots, pos // ps]
-            rows = (store.swa.table[page] if key.kind == SWA else page) * ps + pos % ps
+            rows = (store.swa.table[page] if key.kind == SWA else page) * stride + pos % ps
         return self._device(rows), None if keep is None else self._device(keep)
 
     # --- per layer --------------------------------------------------------------------------
@@ -148,7 +149,7 @@ class StoreAttention:
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]
         meta = self._meta[self._pool_of[layer_id]]
-        cache = self.store.kv_rows(layer_id)  # [R, 2, Hkv, D]
+        cache = self.store.kv_rows(layer_id)  # [rows, 2, Hkv, D], a view (item-major, see store.py)
         kv = torch.stack((k, v), 1).to(cache.dtype)  # [T, 2, Hkv, D]
         qp, kvp = self._padded(q), self._padded(kv)  # [B, Q, H, D], [B, Q, 2, Hkv, D]
         if use_triton(qp):

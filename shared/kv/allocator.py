@@ -2,8 +2,8 @@
 
 Ids are handed out as contiguous ascending runs where the free space allows: a take is served by
 the smallest free run that holds it (best fit, lowest ids on a tie), else by the longest free runs.
-Adjacent pages are adjacent in every layer region, so a request whose pages form few runs on both
-sides moves as few large NIXL descriptors (NIXL merges adjacent items of a prepared list).
+Adjacent ids are adjacent items of the component's one region (item-major: an item holds every
+layer), so a request whose pages form few runs on both sides moves as few large NIXL descriptors.
 """
 from __future__ import annotations
 

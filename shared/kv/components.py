@@ -1,10 +1,13 @@
 """State components: what one block of KV memory is (identity), its shape (geometry), and where
-it lives (regions, one per layer, for NIXL registration). Plain frozen dataclasses.
+it lives (one region, for NIXL registration). Plain frozen dataclasses.
 
-Storage layout of a KV component (docs/architecture.md):
-    data: [num_layers, num_items, item_rows, 2, kv_heads, head_dim]
-an item is a page (FULL, SWA: item_rows = page_size) or a ring slot (SWA_RING: item_rows = R);
-the physical row of (item i, offset o) is i * item_rows + o; region l is data[l].
+Storage layout of a KV component (docs/architecture.md), item-major:
+    data: [num_items, num_layers, item_rows, 2, kv_heads, head_dim]
+an item is a page (FULL, SWA: item_rows = page_size) or a ring slot (SWA_RING: item_rows = R)
+and holds every layer of the component: item i is bytes [i * item_bytes, (i + 1) * item_bytes)
+of the component's one region, item_bytes = num_layers * item_rows * row_bytes. The layout is
+part of the geometry (`order`, `layers_per_item`, `item_bytes` = the item stride), so a peer that
+stores another layout is refused by the plan, never paired byte for byte.
 The aux component is one byte tensor [1, num_slots, item_bytes] (header + hidden rows).
 """
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton.shared.kv.routing import PoolKey
+
+ITEM_MAJOR = "item_major"  # data: [items, layers, item_rows, ...]; the only layout Baton stores
 
 
 @dataclass(frozen=True)
@@ -36,16 +41,19 @@ class Geometry:
     num_items: int  # pages (FULL, SWA) or slots (SWA_RING, AUX)
     row_bytes: int  # bytes of one row: K+V of one position, or one hidden state
     header_bytes: int  # bytes before the rows of an item (AUX header; 0 for KV)
-    item_bytes: int  # header_bytes + item_rows * row_bytes, rounded up to 8 for AUX
+    item_bytes: int  # item stride: layers_per_item * item_rows * row_bytes (KV); header_bytes +
+    #                  item_rows * row_bytes, rounded up to 8 (AUX)
     window: int | None  # sliding window W of the layers (None for FULL and AUX)
     kv_heads: int  # 0 for AUX
     head_dim: int  # 0 for AUX
+    order: str  # storage order of the items, ITEM_MAJOR
+    layers_per_item: int  # layers an item holds (the component's layers; 0 for AUX)
     index_map: str | None = None  # paged SWA: identity of the full->SWA page mapping used
 
 
 @dataclass(frozen=True)
 class Region:
-    addr: int  # base address of the layer's region
+    addr: int  # base address of the component's region
     nbytes: int  # num_items * item_bytes
     item_bytes: int
 
@@ -54,7 +62,7 @@ class Region:
 class Component:
     ident: ComponentId
     geometry: Geometry
-    regions: tuple[Region, ...]  # one per layer id (aux: one)
+    regions: tuple[Region, ...]  # one: the whole component (every item, every layer)
     mem_kind: str = "DRAM"  # NIXL memory kind: "DRAM" | "VRAM"
     device_id: int = 0
 

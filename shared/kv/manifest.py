@@ -7,7 +7,8 @@ registry can store and ship it. `validate_manifest(cfg, m)` runs at start-up and
   - draft and target sliding state in different modes (SWA vs SWA_RING);
   - a draft ring whose geometry (window, ring size, slots) differs from the target ring;
   - a paged draft SWA that does not share the target's full->SWA page mapping;
-  - components whose layers or geometry disagree with the config's routing.
+  - components whose layers or geometry disagree with the config's routing, or that are not
+    stored item-major (one region per component, every layer in each item).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 from baton.shared.kv import codec
 from baton.shared.kv.aux import HEADER_BYTES
 from baton.shared.kv.budget import aux_layout, kv_row_bytes
-from baton.shared.kv.components import Component
+from baton.shared.kv.components import ITEM_MAJOR, Component
 from baton.shared.kv.routing import (AUX_KEY, DRAFT, FULL, MODES, SWA, SWA_RING, TARGET,
                                      route_layers)
 from baton.shared.model.config import SLIDING, ModelConfig
@@ -163,8 +164,10 @@ def _check_kv_geometry(cfg: ModelConfig, comp: Component) -> None:
     except ValueError as exc:
         raise ManifestError(f"component {comp.name}: {exc}") from exc
     window = None if comp.ident.kind == FULL else cfg.sliding_window
+    layers = len(comp.ident.layer_ids)
     expected = dict(kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, row_bytes=row,
-                    header_bytes=0, item_bytes=g.item_rows * row, window=window)
+                    header_bytes=0, item_bytes=layers * g.item_rows * row, window=window,
+                    order=ITEM_MAJOR, layers_per_item=layers)
     wrong = [f"{k}={getattr(g, k)} (expected {v})"
              for k, v in expected.items() if getattr(g, k) != v]
     if comp.ident.kind == SWA_RING and g.item_rows < cfg.sliding_window:
@@ -175,7 +178,8 @@ def _check_kv_geometry(cfg: ModelConfig, comp: Component) -> None:
 def _check_aux(cfg: ModelConfig, comp: Component) -> None:
     g, layout = comp.geometry, aux_layout(cfg)
     expected = dict(dtype="float32", item_rows=layout.hidden_rows, row_bytes=layout.row_bytes,
-                    item_bytes=layout.item_bytes, header_bytes=HEADER_BYTES)
+                    item_bytes=layout.item_bytes, header_bytes=HEADER_BYTES, order=ITEM_MAJOR,
+                    layers_per_item=0)
     wrong = [f"{k}={getattr(g, k)} (expected {v})"
              for k, v in expected.items() if getattr(g, k) != v]
     if comp.ident.layer_ids:
@@ -185,9 +189,8 @@ def _check_aux(cfg: ModelConfig, comp: Component) -> None:
 
 def _check_regions(comp: Component, wrong: list[str]) -> None:
     g = comp.geometry
-    regions = max(len(comp.ident.layer_ids), 1)
-    if len(comp.regions) != regions:
-        wrong.append(f"{len(comp.regions)} regions for {regions} layer(s)")
+    if len(comp.regions) != 1:
+        wrong.append(f"{len(comp.regions)} regions (expected one for the whole component)")
     wrong += [f"region {i} is {r.nbytes} bytes of {r.item_bytes}-byte items (expected "
               f"{g.num_items * g.item_bytes} bytes of {g.item_bytes})"
               for i, r in enumerate(comp.regions)

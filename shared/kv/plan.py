@@ -14,21 +14,23 @@ component decode lacks; different layer ids or item sizes; a missing target or a
 a partial draft; mixed memory kinds on one side together with decode-only speculation.
 
 `plan.descriptors(L, src_alloc, dst_alloc)` returns, for a request of L prompt tokens, the byte
-runs to copy per layer region: all L positions of FULL layers, the window of sliding layers, and
-the aux header with the hidden rows decode needs (`aux_hidden_rows(L)`).
+runs to copy, one per run of whole items adjacent on both sides (items hold every layer): the
+pages of all L positions of FULL components, the pages of the window (paged SWA) or the slot (ring)
+of sliding components, and the aux header with the hidden rows decode needs (`aux_hidden_rows(L)`).
+The layout (`order`, `layers_per_item`, `item_bytes`) is checked like the rest of the geometry.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from baton.shared.kv.components import Allocation, Component
-from baton.shared.kv.descriptors import (Descriptor, PlanError, alloc_rows, merge_runs,
+from baton.shared.kv.descriptors import (Descriptor, PlanError, alloc_items, merge_runs,
                                          needed_positions)
 from baton.shared.kv.manifest import Manifest
 from baton.shared.kv.routing import AUX, AUX_OWNER, DRAFT, FULL
 
-_GEOMETRY_FIELDS = ("dtype", "item_rows", "row_bytes", "header_bytes", "item_bytes", "window",
-                    "kv_heads", "head_dim")
+_GEOMETRY_FIELDS = ("order", "layers_per_item", "dtype", "item_rows", "row_bytes", "header_bytes",
+                    "item_bytes", "window", "kv_heads", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,10 @@ class TransferPlan:
                                       dst_alloc.slot * g.item_bytes, nbytes))
                 continue
             positions = needed_positions(pair.src.ident.kind, g.window, length)
-            runs = merge_runs(alloc_rows(pair.src, src_alloc, positions, "prefill"),
-                              alloc_rows(pair.dst, dst_alloc, positions, "decode"))
-            out += [Descriptor(name, layer, s * g.row_bytes, d * g.row_bytes, n * g.row_bytes)
-                    for layer in range(len(pair.src.ident.layer_ids)) for s, d, n in runs]
+            runs = merge_runs(alloc_items(pair.src, src_alloc, positions, "prefill"),
+                              alloc_items(pair.dst, dst_alloc, positions, "decode"))
+            out += [Descriptor(name, 0, s * g.item_bytes, d * g.item_bytes, n * g.item_bytes)
+                    for s, d, n in runs]
         return out
 
     def addresses(self, descriptors: list[Descriptor]) -> list[tuple[int, int, int]]:

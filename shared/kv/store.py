@@ -1,12 +1,19 @@
 """KVStore: a worker's KV components (tensors) and the per-request allocators behind them.
 
-Tensors (docs/architecture.md), one per component, routed by `route_layers`:
-    FULL      data: [layers, num_pages,     page_size, 2, kv_heads, head_dim]
-    SWA       data: [layers, num_swa_pages, page_size, 2, kv_heads, head_dim]  (mode "paged")
-    SWA_RING  data: [layers, num_slots,     R,         2, kv_heads, head_dim]  (mode "ring")
+Tensors (docs/architecture.md), one per component, routed by `route_layers`, item-major (an
+item, a page or a ring slot, holds every layer of its component, so it is one contiguous run of
+bytes and a run of adjacent items is one NIXL descriptor):
+    FULL      data: [num_pages,     layers, page_size, 2, kv_heads, head_dim]
+    SWA       data: [num_swa_pages, layers, page_size, 2, kv_heads, head_dim]  (mode "paged")
+    SWA_RING  data: [num_slots,     layers, R,         2, kv_heads, head_dim]  (mode "ring")
     AUX       data: [1, num_slots, item_bytes] uint8
 with R = span = W + max_draft_tokens. Draft FULL layers share the target's page tables; draft
 sliding layers share the target's slot (ring) or full->SWA mapping (paged).
+
+Rows. A layer's K/V are read and written as rows of `kv_rows(layer)`, a view of the component
+starting at that layer's first row in item 0: the row of (item i, offset o) is
+`i * item_stride(key) + o`, with `item_stride = layers * item_rows` (rows from one item to the next
+in any layer), the same for every layer of the pool, so one set of row indices serves them all.
 
 Request lifecycle. Two owners share a store, and need no lock: reservations (`allocate`, `free`:
 the page, slot and SWA-page pools, the block table row of a new slot) may run on a service's
@@ -40,7 +47,8 @@ from baton.shared.kv.allocator import IdPool, KVError, OutOfCapacity, require
 from baton.shared.kv.aux import HEADER_BYTES, AuxLayout
 from baton.shared.kv.budget import (aux_layout, dtype_name, kv_row_bytes, sliding_span,
                                     swa_pages_per_request)
-from baton.shared.kv.components import Allocation, Component, ComponentId, Geometry, Region
+from baton.shared.kv.components import (ITEM_MAJOR, Allocation, Component, ComponentId, Geometry,
+                                        Region)
 from baton.shared.kv.host_memory import huge_page_zeros
 from baton.shared.kv.manifest import Manifest
 from baton.shared.kv.paged_swa import PagedSwa
@@ -87,8 +95,9 @@ class KVStore:
         items = {FULL: (num_pages, page_size), SWA: (num_swa_pages, page_size),
                  SWA_RING: (num_slots, self.span)}
         self.data: dict[PoolKey, torch.Tensor] = {
-            key: self._zeros((len(self.routing.layers_of(key)), *items[key.kind], *shape), dtype)
-            for key in self.keys}  # [layers, items, item_rows, 2, kv_heads, head_dim]
+            key: self._zeros((items[key.kind][0], len(self.routing.layers_of(key)), items[key.kind][1],
+                              *shape), dtype)
+            for key in self.keys}  # [items, layers, item_rows, 2, kv_heads, head_dim]
         self.aux_layout: AuxLayout = aux_layout(cfg)
         self.aux = self._zeros((1, num_slots, self.aux_layout.item_bytes),
                                torch.uint8)  # [1, num_slots, item_bytes]
@@ -172,12 +181,13 @@ class KVStore:
             raise KVError(f"request {request_id!r}, layer {layer_id} ({key.name}): positions "
                           f"must lie in {low}..{req.length - 1}")
         ps = self.page_size
+        stride = self.item_stride(key)
         if key.kind == SWA_RING:
-            return req.slot * self.span + positions % self.span
+            return req.slot * stride + positions % self.span
         page = req.page_table[positions // ps]  # [n] FULL page ids
         if key.kind == SWA:
             page = self.swa.full_to_swa[page.cpu()].to(self.device)  # [n] SWA page ids
-        return page * ps + positions % ps
+        return page * stride + positions % ps
 
     def first_resident(self, request_id: str, layer_id: int) -> int:
         """Lowest position of this layer that `rows` answers for."""
@@ -185,14 +195,22 @@ class KVStore:
         return 0 if key.kind == FULL else self._req(request_id).floor
 
     def kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) views of one layer, each [total_rows, kv_heads, head_dim]."""
+        """(k, v) views of one layer, each [rows, kv_heads, head_dim] (rows: see kv_rows)."""
         rows = self.kv_rows(layer_id)
         return rows[:, 0], rows[:, 1]
 
     def kv_rows(self, layer_id: int) -> torch.Tensor:
-        """One layer's K and V together, [total_rows, 2, kv_heads, head_dim] (a view)."""
+        """One layer's K and V together, [rows, 2, kv_heads, head_dim]: a view of the component
+        from this layer's first row on; row i * item_stride + o is its offset o of item i (the
+        rows between belong to the other layers and are never addressed through this view)."""
         key, index = self._layer_of(layer_id)
-        return self.data[key][index].view(-1, 2, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        flat = self.data[key].view(-1, 2, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        return flat[index * self.data[key].shape[2]:]  # [items*layers*item_rows - skipped, 2, Hkv, D]
+
+    def item_stride(self, key: PoolKey) -> int:
+        """Rows from one item to the next in a layer's `kv_rows` view: layers * item_rows."""
+        _, layers, item_rows = self.data[key].shape[:3]
+        return layers * item_rows
 
     def aux_row(self, request_id: str) -> torch.Tensor:
         """The request's aux row, uint8 [item_bytes] (see aux.pack_aux / unpack_aux)."""
@@ -245,7 +263,8 @@ class KVStore:
         aux_geometry = Geometry(dtype="float32", item_rows=layout.hidden_rows,
                                 num_items=self.aux.shape[1], row_bytes=layout.row_bytes,
                                 header_bytes=HEADER_BYTES, item_bytes=layout.item_bytes,
-                                window=None, kv_heads=0, head_dim=0)
+                                window=None, kv_heads=0, head_dim=0, order=ITEM_MAJOR,
+                                layers_per_item=0)
         comps.append(Component(ComponentId(AUX_KEY.owner, AUX_KEY.kind, ()), aux_geometry,
                                (self._region(self.aux[0], layout.item_bytes),), mem_kind,
                                self.device.index or 0))
@@ -261,21 +280,21 @@ class KVStore:
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def _component(self, key: PoolKey, mem_kind: str) -> Component:
-        data = self.data[key]  # [layers, items, item_rows, 2, kv_heads, head_dim]
+        data = self.data[key]  # [items, layers, item_rows, 2, kv_heads, head_dim]
+        items, layers, item_rows = data.shape[:3]
         row = kv_row_bytes(self.cfg, self.dtype)
-        geometry = Geometry(dtype=dtype_name(self.dtype), item_rows=data.shape[2],
-                            num_items=data.shape[1], row_bytes=row, header_bytes=0,
-                            item_bytes=data.shape[2] * row,
+        geometry = Geometry(dtype=dtype_name(self.dtype), item_rows=item_rows, num_items=items,
+                            row_bytes=row, header_bytes=0, item_bytes=layers * item_rows * row,
                             window=None if key.kind == FULL else self.cfg.sliding_window,
                             kv_heads=self.cfg.num_key_value_heads, head_dim=self.cfg.head_dim,
-                            index_map=self.swa.index_map_id if key.kind == SWA else None)
-        regions = tuple(self._region(layer, geometry.item_bytes) for layer in data)
+                            index_map=self.swa.index_map_id if key.kind == SWA else None,
+                            order=ITEM_MAJOR, layers_per_item=layers)
         return Component(ComponentId(key.owner, key.kind, self.routing.layers_of(key)), geometry,
-                         regions, mem_kind, self.device.index or 0)
+                         (self._region(data, geometry.item_bytes),), mem_kind, self.device.index or 0)
 
     @staticmethod
-    def _region(layer: torch.Tensor, item_bytes: int) -> Region:
-        return Region(addr=layer.data_ptr(), nbytes=layer.numel() * layer.element_size(),
+    def _region(data: torch.Tensor, item_bytes: int) -> Region:
+        return Region(addr=data.data_ptr(), nbytes=data.numel() * data.element_size(),
                       item_bytes=item_bytes)
 
     def _swa_window(self, req: RequestKV) -> list[bool]:

@@ -1,15 +1,18 @@
 """Memory regions, transfer descriptors, and their resolution into NIXL descriptor rows.
 
 `Descriptor` has the fields of `baton.shared.kv.Descriptor` and can be replaced by an import.
-`Region` is one layer region of a component, flattened: from a kv manifest component `c`,
+`Region` is one region of a component, flattened: from a kv manifest component `c`,
 `Region(c.name, i, r.addr, r.nbytes, r.item_bytes) for i, r in enumerate(c.regions)`.
 Everything here is pure logic on plain data: no NIXL calls, no threads.
 
-A region is one layer of one component (`docs/architecture.md`: `data[l]` of a component tensor),
+A region is a component's memory, keyed (component, index): Baton's KV components are item-major
+(`docs/architecture.md`), one region each (index 0) whose items hold every layer, so a run of
+adjacent pages is one descriptor; the table also takes several regions per component (the
+per-layer layout `bench/transfer.py --layout layer` compares against).
 `nbytes = num_items * item_bytes`. NIXL sees every region as a list of items (pages or ring slots),
 prepared once per agent and once per peer: the whole items of a descriptor become indices into
-those prepared lists; what is left (a partly filled last page, the runs of a ring window, the aux
-row) is sent as byte ranges through a list prepared for that request.
+those prepared lists; what is left (the aux row: header and the hidden rows sent, or any
+descriptor not on item boundaries) is sent as byte ranges through a list prepared for that request.
 """
 from __future__ import annotations
 
@@ -140,7 +143,7 @@ class RegionTable:
 def resolve(descriptors: list[Descriptor], local: RegionTable, remote: RegionTable) -> list[Batch]:
     """Resolve a transfer's descriptors (every component, aux row included) into at most two
     WRITEs: the whole items of every component by index into the prepared per-item lists, then
-    the byte ranges (a partly filled last page, an item cut by an offset) through one-off lists. A
+    the byte ranges (the aux row, anything not on item boundaries) through one-off lists. A
     descriptor starting on an item boundary on both sides sends its whole items by index and its
     tail as a range; any other descriptor is one range. One WRITE per request, not one per
     component: each WRITE costs a post, a notification and a completion check (on 2 cores about
