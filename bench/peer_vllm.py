@@ -37,8 +37,8 @@ What it does, in order:
    equal the reference's for its prompt (trailing EOS ignored; text is compared when ids are absent).
 
 Requests are streaming `/v1/completions` with the prompt as token ids, `temperature` 0 and
-`max_tokens` N. `ignore_eos` is not sent: Baton refuses it (400), so a stream may end early at EOS
-on either server; tok/s counts the tokens actually generated (`usage.completion_tokens`), and the
+`max_tokens` N. `ignore_eos` is not sent (both servers accept it; the recorded runs went without),
+so a stream may end early at EOS on either server; tok/s counts the tokens actually generated (`usage.completion_tokens`), and the
 mean per request is reported.
 """
 from __future__ import annotations
