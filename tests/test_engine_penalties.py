@@ -14,7 +14,7 @@ from baton.shared.model.config import FULL, SLIDING
 from baton.shared.model.dense_attention import DenseAttention
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
-from test_engine_sampling import chi_square, chi_square_limit
+from test_engine_sampling import chi_square, chi_square_limit, exact_second_token, sample_second_tokens
 from tiny_model import tiny_model
 
 pytestmark = pytest.mark.unit
@@ -101,33 +101,12 @@ def tiny():
     return tiny_model(24, (SLIDING, FULL), window=4, seed=3, std=0.5)
 
 
-@torch.no_grad()
-def exact_second_token(model, prompt: list[int], temperature: float) -> torch.Tensor:
-    """P(token 2 | prompt) under the penalised target alone (the first token counts for the second)."""
-    def probs(out):
-        logits = penalise(next_logits(model, prompt + out), prompt, out, PENALTIES["presence_penalty"],
-                          PENALTIES["frequency_penalty"], PENALTIES["repetition_penalty"])
-        return torch.softmax(logits / temperature, -1)
-    p1 = probs([])
-    return sum(p1[t] * probs([t]) for t in range(len(p1)))
-
-
-def second_tokens(model, prompt, n: int, temperature: float, **penalties) -> torch.Tensor:
-    engine = LocalEngine(model, SpecConfig(True, 3, "transfer"), LocalCapacity(num_pages=4000, page_size=4, num_slots=500))
-    counts = torch.zeros(model.cfg.vocab_size)
-    for batch in range(n // 500):
-        seqs = [Sequence(f"s{batch}-{i}", prompt, 3, SamplingParams(temperature, 1.0, seed=batch * 500 + i, **penalties))
-                for i in range(500)]
-        for s in engine.run(seqs):
-            assert s.stats.verify_steps >= 1  # token 2 came out of a verify step
-            counts[s.output[1]] += 1
-    return counts
-
-
 def test_penalised_sampling_with_speculation_follows_the_penalised_target(tiny):
     prompt, temperature = [1, 5, 7, 2, 9, 3], 0.9
-    exact = exact_second_token(tiny, prompt, temperature)
-    stat, dof = chi_square(second_tokens(tiny, prompt, 2000, temperature, **PENALTIES), exact)
+    exact = exact_second_token(tiny, prompt, temperature, lambda logits, out: penalise(
+        logits, prompt, out, PENALTIES["presence_penalty"], PENALTIES["frequency_penalty"],
+        PENALTIES["repetition_penalty"]))
+    stat, dof = chi_square(sample_second_tokens(tiny, prompt, 2000, temperature, **PENALTIES), exact)
     assert stat < chi_square_limit(dof), (stat, dof)
-    unpenalised = second_tokens(tiny, prompt, 2000, temperature)
+    unpenalised = sample_second_tokens(tiny, prompt, 2000, temperature)
     assert chi_square(unpenalised, exact)[0] > chi_square_limit(dof)  # the check tells the two apart

@@ -127,20 +127,23 @@ def model():
 
 
 @torch.no_grad()
-def exact_second_token(model, prompt: list[int], temperature: float) -> torch.Tensor:
-    """P(token 2 | prompt) = sum_t1 P(t1 | prompt) P(t2 | prompt, t1), under the target alone."""
-    def next_probs(seq):
+def exact_second_token(model, prompt: list[int], temperature: float, penalise=None) -> torch.Tensor:
+    """P(token 2 | prompt) = sum_t1 P(t1 | prompt) P(t2 | prompt, t1), under the target alone;
+    `penalise(logits, output)`, if given, turns each position's logits into the penalised ones."""
+    def next_probs(out):
+        seq = prompt + out
         h = model.forward_hidden(torch.tensor(seq), torch.arange(len(seq)), DenseAttention(model.cfg, 1, len(seq)))
-        return torch.softmax(model.logits(h[-1:])[0] / temperature, -1)
-    p1 = next_probs(prompt)
-    return sum(p1[t] * next_probs(prompt + [t]) for t in range(len(p1)))
+        logits = model.logits(h[-1:])[0]
+        return torch.softmax((logits if penalise is None else penalise(logits, out)) / temperature, -1)
+    p1 = next_probs([])
+    return sum(p1[t] * next_probs([t]) for t in range(len(p1)))
 
 
-def sample_second_tokens(model, prompt, n, temperature, monkeypatch=None) -> torch.Tensor:
+def sample_second_tokens(model, prompt, n, temperature, **penalties) -> torch.Tensor:
     engine = LocalEngine(model, SpecConfig(True, 3, "transfer"), LocalCapacity(num_pages=4000, page_size=4, num_slots=500))
     counts = torch.zeros(model.cfg.vocab_size)
     for batch in range(n // 500):
-        seqs = [Sequence(f"s{batch}-{i}", prompt, 3, SamplingParams(temperature, 1.0, seed=batch * 500 + i))
+        seqs = [Sequence(f"s{batch}-{i}", prompt, 3, SamplingParams(temperature, 1.0, seed=batch * 500 + i, **penalties))
                 for i in range(500)]
         for s in engine.run(seqs):
             assert s.stats.verify_steps >= 1  # token 2 came out of a draft -> verify step
