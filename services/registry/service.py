@@ -183,6 +183,8 @@ class Registry:
         silent = [(w, lease) for w, lease in self.leases.items() if now - lease.seen_at > self.config.lease_s]
         gone = await asyncio.gather(*(self._gone(lease) for _, lease in silent))
         for (worker_id, lease), dead in zip(silent, gone):
+            if self.leases.get(worker_id) is not lease:  # it beat (or left) while we probed
+                continue
             if dead or now - lease.seen_at > self.config.lease_s + self.config.stall_grace_s:
                 self.metrics.expired.inc()
                 log.warning("lease expired: %s %s", lease.info.registration.role, worker_id)
