@@ -7,7 +7,7 @@ import pytest
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import PrefillDone, SamplingParams, TokenChunk
 from baton.proto.public import Logprobs, SpecStats, Timing
-from baton.services.router.flow import AttemptLost, DecodeLost, Flow, RouterTimeouts, continued
+from baton.services.router.flow import AttemptLost, DecodeLost, Flow, NoCapacity, RouterTimeouts, continued
 
 pytestmark = pytest.mark.unit
 LATE = BatonError(ErrorCode.INTERNAL, "transfer of r: deadline passed")
@@ -126,9 +126,35 @@ def test_a_continuation_counts_what_was_sent_as_output_and_asks_no_prompt_logpro
     assert (after.output_in_prompt, after.min_tokens, after.prompt_logprobs) == (7, 3, None)
 
 
-def test_a_lost_chunk_is_an_error():
-    with pytest.raises(BatonError, match="chunk 1 lost"):
+def test_a_lost_chunk_loses_decode_so_the_request_continues_after_what_was_sent():
+    with pytest.raises(DecodeLost, match="chunk 1 lost"):
         asyncio.run(relay(flow(), ("chunk", chunk(0, [5])), ("chunk", chunk(2, [7]))))
+
+
+def test_a_lost_first_chunk_loses_the_attempt():
+    with pytest.raises(AttemptLost, match="chunk 0 lost") as lost:
+        asyncio.run(relay(flow(), ("chunk", chunk(1, [7]))))
+    assert not isinstance(lost.value, DecodeLost)
+
+
+def test_silence_after_a_reconnect_loses_decode_within_the_reconnect_timeout():
+    f = Flow(None, None, None, RouterTimeouts(first_token_s=60, idle_s=60, reconnect_s=0.2), "r", [1, 2], 4,
+             SamplingParams(), None)
+    with pytest.raises(DecodeLost, match="no token within 0.2 s"):
+        asyncio.run(relay(f, ("chunk", chunk(0, [5])), ("reconnected", None)))
+
+
+def test_a_chunk_after_a_reconnect_restores_the_idle_timeout():
+    f = Flow(None, None, None, RouterTimeouts(first_token_s=60, idle_s=60, reconnect_s=0.2), "r", [1, 2], 4,
+             SamplingParams(), None)
+
+    async def run():
+        task = asyncio.create_task(relay(f, ("chunk", chunk(0, [5])), ("reconnected", None), ("chunk", chunk(1, [6]))))
+        await asyncio.sleep(0.5)  # past reconnect_s: only the idle timeout may end it now
+        assert not task.done()
+        f.events.put_nowait(("chunk", chunk(2, [7], True)))
+        return await task
+    assert asyncio.run(run()) == [[5], [6], [7]]
 
 
 class Prefills:
@@ -151,6 +177,7 @@ def test_a_draining_prefill_is_never_picked_even_when_least_loaded():
              None)
     assert f._pick_prefill(f.directory.of_role("prefill")) == "busy"
     f.directory = Prefills(a=(0, True), b=(0, True))
-    with pytest.raises(BatonError, match="all 2 are stopping") as refused:
+    with pytest.raises(NoCapacity):  # it waits in the queue for a prefill that takes prompts
         f._pick_prefill(f.directory.of_role("prefill"))
-    assert refused.value.code is ErrorCode.UNAVAILABLE
+    with pytest.raises(NoCapacity):
+        f._pick_prefill([])

@@ -5,7 +5,9 @@ so a registry restart loses nothing. The registry keeps its view of the bucket f
 held for the process's life (listing keys per call would leave a server-side consumer behind
 each time), and decides itself when a lease expired: a worker whose entry has not changed for a
 lease, by this registry's clock, is deleted and announced "left" (after a pause of the registry
-itself, every lease starts over). A worker whose heartbeat first says it is draining gets a
+itself, every lease starts over) once it is also gone from NATS: a worker whose subscriptions
+nats-server still holds is stalled, not dead (paused, starved), and is kept up to `stall_grace_s`
+longer, so a request it holds can still finish. A worker whose heartbeat first says it is draining gets a
 "draining" event.
 Never imports torch: it validates plain-data manifests against the model config.
 """
@@ -16,6 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, BadRequestError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
@@ -46,6 +49,9 @@ class RegistryConfig:
     sweep_s: float = 1.0
     pause_s: float = 2.0  # a sweep this much later than due: this registry was paused (SIGSTOP, a frozen VM,
     # a starved loop) and saw no heartbeat meanwhile, so every lease starts over instead of expiring
+    stall_grace_s: float = 30.0  # how much longer than its lease a silent worker that nats-server still
+    # lists as subscribed (a stalled process, not a dead one: its connection is open) stays registered
+    probe_s: float = 0.5  # how long the liveness probe of a silent worker waits for an answer
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class Registry:
         self._watcher: KeyValue.KeyWatcher | None = None
         self._tasks: list[asyncio.Task] = []
         self._swept_at = time.monotonic()
+        self._stalled: set[str] = set()  # silent past their lease, kept while NATS still lists them
         self.metrics = ServiceMetrics("registry")
 
     @classmethod
@@ -173,15 +180,38 @@ class Registry:
         if late > self.config.pause_s:
             log.warning("this registry was paused for %.1f s: every lease starts over", late)
             self.leases = {w: replace(lease, seen_at=now) for w, lease in self.leases.items()}
-        for worker_id, lease in list(self.leases.items()):
-            if now - lease.seen_at > self.config.lease_s:
+        silent = [(w, lease) for w, lease in self.leases.items() if now - lease.seen_at > self.config.lease_s]
+        gone = await asyncio.gather(*(self._gone(lease) for _, lease in silent))
+        for (worker_id, lease), dead in zip(silent, gone):
+            if self.leases.get(worker_id) is not lease:  # it beat (or left) while we probed
+                continue
+            if dead or now - lease.seen_at > self.config.lease_s + self.config.stall_grace_s:
                 self.metrics.expired.inc()
                 log.warning("lease expired: %s %s", lease.info.registration.role, worker_id)
                 await self._drop(worker_id, lease, "lease expired")
+            elif worker_id not in self._stalled:
+                self._stalled.add(worker_id)
+                log.warning("%s %s missed its heartbeats for %.1f s but still holds its subscriptions "
+                            "(stalled, not gone): kept for up to %g s more", lease.info.registration.role,
+                            worker_id, now - lease.seen_at, self.config.stall_grace_s)
         for role in ("prefill", "decode"):
             self.metrics.workers.labels(role).set(
                 sum(1 for lease in self.leases.values() if lease.info.registration.role == role))
         self._plans = {k: v for k, v in self._plans.items() if k[0] in self.leases and k[1] in self.leases}
+
+    async def _gone(self, lease: Lease) -> bool:
+        """True when nats-server has no subscriber on the worker's release subject: its process died
+        or lost its connection. An answer (an error reply to the empty probe) or silence (a paused or
+        starved process, whose connection stays open) means it is still there."""
+        reg = lease.info.registration
+        release = subjects.decode_release if reg.role == "decode" else subjects.prefill_release
+        try:
+            await self.bus.connection.request(release(reg.worker_id), b"", timeout=self.config.probe_s)
+        except nats.errors.NoRespondersError:
+            return True
+        except (asyncio.TimeoutError, nats.errors.Error):
+            return False
+        return False
 
     async def _put(self, info: WorkerInfo, last: int) -> None:
         """Write the worker's entry if it is still at revision `last` (0: if it has none)."""
@@ -231,6 +261,7 @@ class Registry:
         if revision <= self._revisions.get(worker_id, 0):
             return
         self._revisions[worker_id] = revision
+        self._stalled.discard(worker_id)
         if info is None:
             self.leases.pop(worker_id, None)
         else:

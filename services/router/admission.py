@@ -92,6 +92,10 @@ class AdmissionQueue:
         self._paused_until = 0.0
         self._admit_waiting()
 
+    def wake(self) -> None:
+        """Capacity may have changed (a worker joined): admit whom it now has room for."""
+        self._admit_waiting()
+
     def close(self) -> None:
         if self._retry is not None:
             self._retry.cancel()

@@ -30,6 +30,7 @@ class Directory:
         self._lookup_applied = 0  # the newest lookup whose answer is the view: an older one never overwrites it
         self._changed = asyncio.Event()
         self.on_left: Callable[[str, str], None] = lambda worker_id, reason: None  # set by the router
+        self.on_refresh: Callable[[], None] = lambda: None  # after each view the registry gave
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.WORKER_EVENTS, self._on_event)
@@ -52,6 +53,7 @@ class Directory:
             self._forget(gone)
         self.workers, self._refreshed_at = fresh, time.monotonic()
         self._changed.set()
+        self.on_refresh()
         return True
 
     async def refresh_forever(self) -> None:

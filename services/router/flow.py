@@ -35,6 +35,8 @@ class RouterTimeouts:
     request_s: float = 600.0  # whole request, admission to last token
     first_token_s: float = 120.0  # admission to first token (prefill + transfer)
     idle_s: float = 60.0  # silence between two chunks
+    reconnect_s: float = 10.0  # silence allowed once the router's NATS connection came back: what was
+    # sent around the reconnect may be lost (decode ends a request whose chunks found no inbox)
     control_s: float = 5.0  # one control round trip (reserve, release)
 
 
@@ -120,6 +122,10 @@ class Flow:
         """A stop string matched: decode ends the request at its next step and still reports its
         counts (unlike a cancel, which ends the flow at once)."""
         self.events.put_nowait(("stop", None))
+
+    def reconnected(self) -> None:
+        """The router's NATS connection was lost and re-made: this request's messages may be lost."""
+        self.events.put_nowait(("reconnected", None))
 
     def worker_left(self, worker_id: str, reason: str) -> None:
         """A worker this request depends on is gone: end the request (or retry it, if no token
@@ -230,9 +236,10 @@ class Flow:
 
     def _pick_prefill(self, registered: list) -> str:
         workers = self._prefer_others([w for w in registered if not w.load.draining])
-        if not workers:
-            raise BatonError(ErrorCode.UNAVAILABLE, "no prefill worker is registered" if not registered else
-                             f"no prefill worker takes prompts: all {len(registered)} are stopping")
+        if not workers:  # one may register (a restart): wait in the queue, bounded by its timeout
+            log.info("request %s waits: %s", self.request_id, "no prefill worker is registered" if not registered
+                     else f"all {len(registered)} prefill workers are stopping")
+            raise NoCapacity()
         best = min(workers, key=lambda w: (w.load.queued_prompt_tokens + self.directory.outstanding(w.registration.worker_id)))
         return best.registration.worker_id
 
@@ -240,8 +247,9 @@ class Flow:
         decodes = sorted(self._prefer_others(await self.directory.known("decode")),  # free slots first, then least loaded
                          key=lambda w: (w.load.free_slots == 0,
                                         self.directory.outstanding(w.registration.worker_id), -w.load.free_pages))
-        if not decodes:
-            raise BatonError(ErrorCode.UNAVAILABLE, "no decode worker is registered")
+        if not decodes:  # one may register (a restart): wait in the queue, bounded by its timeout
+            log.info("request %s waits: no decode worker is registered", self.request_id)
+            raise NoCapacity()
         last, room_may_come = None, False
         for worker in decodes:
             decode_id = worker.registration.worker_id
@@ -258,7 +266,9 @@ class Flow:
             except BatonError as exc:
                 self._unhold(decode_id)
                 last = exc
-                room_may_come |= exc.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE)
+                room_may_come |= exc.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT)
+                if exc.code is ErrorCode.TIMEOUT:  # a stalled decode may still reserve it once it wakes up
+                    await self._forget_reservation(decode_id)
                 if exc.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.TOO_LARGE):
                     continue  # too_large: this decode could never hold it, another may
                 raise
@@ -270,6 +280,14 @@ class Flow:
             log.info("request %s waits again: no decode worker has room (%s)", self.request_id, last.message)
             raise NoCapacity()
         raise last
+
+    async def _forget_reservation(self, decode_id: str) -> None:
+        """Ask decode to release this attempt, without waiting for an answer it may not give."""
+        try:
+            await self.bus.publish(subjects.decode_release(decode_id), ReleaseRequest(
+                request_id=self.attempt_id, reason="reservation timed out", finish_reason="abort"))
+        except BatonError as exc:
+            log.warning("release of %s on %s failed: %s", self.request_id, decode_id, exc)
 
     async def _prefill(self, prefill_id: str) -> None:
         try:
@@ -290,7 +308,8 @@ class Flow:
         try:
             await self.bus.request(subjects.prefill_target(self.prefill_id), PrefillTarget(
                 request_id=self.attempt_id, decode_worker_id=reservation.decode_worker_id,
-                decode_allocation=reservation.allocation, transfer_plan=plan), Ack, timeout=self.timeouts.control_s)
+                decode_allocation=reservation.allocation, transfer_plan=plan), Ack,
+                timeout=self.timeouts.first_token_s)  # as long as the dispatch may take: prefill may be stalled
         except BatonError as exc:
             raise AttemptLost(exc) from None
         self._targeted = True
@@ -306,8 +325,10 @@ class Flow:
         the client before them."""
         started, got_first, expected_seq, stopping = time.monotonic(), False, 0, False
         held: list[TokenChunk] = []
+        suspect = False  # since the last reconnect nothing came: what we wait for may have been lost
         while True:
             limit = self.timeouts.idle_s if got_first else self.timeouts.first_token_s
+            limit = min(limit, self.timeouts.reconnect_s) if suspect else limit
             remaining = min(limit, self.timeouts.request_s - (time.monotonic() - started))
             try:
                 async with asyncio.timeout(max(remaining, 0.0)):  # unlike wait_for, no task per event
@@ -315,7 +336,12 @@ class Flow:
             except TimeoutError:
                 error = BatonError(ErrorCode.TIMEOUT, f"request {self.request_id}: no token within "
                                    f"{limit if remaining > 0 else self.timeouts.request_s:g} s")
+                if suspect:
+                    raise (DecodeLost(error) if got_first else AttemptLost(error)) from None
                 raise DecodeLost(error) if got_first and remaining >= limit else error from None
+            suspect = kind == "reconnected"
+            if suspect:
+                continue
             if kind == "cancel":
                 self.outcome.finish_reason = "abort"
                 return
@@ -343,9 +369,10 @@ class Flow:
             elif kind == "chunk":
                 ready = [value]
             for chunk in ready:
-                if chunk.seq != expected_seq:
-                    raise BatonError(ErrorCode.INTERNAL, f"request {self.request_id}: token chunk "
-                                     f"{expected_seq} lost (got {chunk.seq})")
+                if chunk.seq != expected_seq:  # e.g. NATS restarted: continue after what the client has
+                    lost = BatonError(ErrorCode.UNAVAILABLE, f"request {self.request_id}: token chunk "
+                                      f"{expected_seq} lost (got {chunk.seq})")
+                    raise DecodeLost(lost) if got_first else AttemptLost(lost)
                 expected_seq += 1
                 if chunk.token_ids and not got_first:
                     self.at.mark("first_chunk")

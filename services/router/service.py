@@ -47,6 +47,7 @@ class Router:
         self.bus, self.model, self.tokenizer, self.config = bus, model, tokenizer, config
         self.directory = Directory(bus)
         self.directory.on_left = self._worker_left
+        self.directory.on_refresh = lambda: self.admission.wake()  # a worker that joined admits who waits
         self.tokens = TokenInbox(bus)
         self.flows: dict[str, Flow] = {}
         self._early_cancels: dict[str, float] = {}  # request id -> until when a cancel that beat its request counts
@@ -58,6 +59,7 @@ class Router:
 
     async def start(self) -> None:
         self.metrics.serve_from_env()
+        self.bus.on_reconnected.append(self._reconnected)
         await self.directory.start()
         await self.tokens.start()
         self._tasks.append(asyncio.create_task(self.directory.refresh_forever(), name="directory"))
@@ -109,10 +111,17 @@ class Router:
             flow.cancel("cancelled by the client")
         return flow is not None
 
-    def _decode_slots(self) -> int | None:
-        """Requests the decode workers can hold at once, all together; None while none is known."""
+    def _decode_slots(self) -> int:
+        """Requests the decode workers can hold at once, all together; 0 while no prefill or no
+        decode takes work (requests wait in the queue for one to register)."""
         decodes = [w for w in self.directory.of_role("decode") if not w.load.draining]
-        return sum(w.registration.capacity.total_slots for w in decodes) or None
+        if not any(not w.load.draining for w in self.directory.of_role("prefill")):
+            return 0
+        return sum(w.registration.capacity.total_slots for w in decodes)
+
+    def _reconnected(self) -> None:
+        for flow in self.flows.values():
+            flow.reconnected()
 
     def _worker_left(self, worker_id: str, reason: str) -> None:
         for flow in self.flows.values():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 import nats
@@ -20,6 +21,7 @@ from .wire import decode_reply_from, encode_for, nats_errors_mapped
 
 log = logging.getLogger(__name__)
 M = TypeVar("M")
+SETTLE_S = 5.0  # after a reconnect, how long "no responders" may only mean "not subscribed again yet"
 
 
 class Bus:
@@ -34,6 +36,7 @@ class Bus:
         self.endpoints: list[Endpoint] = []
         self._nc = nc
         self._streams: set[ReplyStream] = set()
+        self.on_reconnected: list[Callable[[], None]] = []  # called once the connection is back
 
     @classmethod
     async def connect(cls, url: str | list[str], name: str, *,
@@ -64,8 +67,12 @@ class Bus:
             if not nc.is_closed:
                 log.warning("%s: NATS connection lost; reconnecting", name)
 
+        buses: list[Bus] = []  # the one made below, once connected
+
         async def reconnected() -> None:
             log.info("%s: NATS reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+            for callback in buses[0].on_reconnected if buses else ():
+                callback()
 
         options = dict(
             servers=url, name=name, user=user, password=password, token=token,
@@ -80,7 +87,8 @@ class Bus:
             reason = tls_error or nc.last_error or exc  # a TLS refusal says more than the reset after it
             raise BatonError(ErrorCode.UNAVAILABLE, f"cannot connect to NATS at {url} within "
                              f"{connect_timeout_s:g} s: {type(reason).__name__} {reason}".rstrip()) from None
-        return cls(nc, limits)
+        buses.append(cls(nc, limits))
+        return buses[0]
 
     @property
     def connection(self) -> Client:
@@ -90,9 +98,32 @@ class Bus:
     async def request(self, subject: str, message: Any, reply_cls: type[M], timeout: float = 5.0) -> M:
         """One request, one reply of type `reply_cls`; an error reply raises its BatonError."""
         data = encode_for(subject, message, self._nc.max_payload)
+        settling = self.settling()
         with nats_errors_mapped(subject, timeout):
-            msg = await self._nc.request(subject, data, timeout=timeout)
+            while True:
+                try:
+                    msg = await self._nc.request(subject, data, timeout=timeout)
+                    break
+                except nats.errors.NoRespondersError:
+                    if not settling():
+                        raise
+                await asyncio.sleep(0.1)
         return decode_reply_from(subject, msg.data, reply_cls, self.limits)
+
+    def settling(self) -> Callable[[], bool]:
+        """For a request sent now: whether a "no responders" answer may only mean that the server
+        was restarted and its services have not subscribed again yet (they do a moment after we
+        reconnect). Nobody received the message then, so sending it again duplicates nothing."""
+        reconnects, reconnecting = self._nc.stats["reconnects"], not self._nc.is_connected
+        until = 0.0  # SETTLE_S after the first "no responders" since the reconnect
+
+        def settling() -> bool:
+            nonlocal until
+            if not reconnecting and self._nc.stats["reconnects"] == reconnects:
+                return False
+            until = until or time.monotonic() + SETTLE_S
+            return time.monotonic() < until
+        return settling
 
     async def publish(self, subject: str, message: Any, reply: str = "") -> None:
         """`reply`: a probe subject, answered with a 503 "no responders" once nobody listens on `subject`."""
@@ -109,7 +140,7 @@ class Bus:
         """
         data = encode_for(subject, message, self._nc.max_payload)
         return self._track(ReplyStream(self._nc, chunk_cls, timeout_per_message, self.limits,
-                                       (subject, data), self._streams.discard))
+                                       (subject, data), self._streams.discard, self.settling))
 
     async def subscribe(self, subject: str, callback: Callable[[Msg], Awaitable[None]]) -> Subscription:
         """A raw subscription (`callback(msg)` per message, in order), known to the server on return."""

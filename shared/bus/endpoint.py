@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -9,6 +10,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -17,9 +19,10 @@ from baton.proto.codec import decode
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.limits import Limits
 
-from .wire import encode_for
+from .wire import connection_epoch, encode_for
 
 log = logging.getLogger(__name__)
+REDELIVER_S = 5.0  # how long a reply sent around a reconnect is sent again while nobody is there to take it
 
 # A handler returns one reply (or None: no reply), or is an async generator yielding several.
 Handler = Callable[[Any], Awaitable[Any] | AsyncIterator[Any]]
@@ -82,7 +85,8 @@ class Endpoint:
         if len(self._tasks) >= self._max_in_flight:
             self.stats.record(ErrorCode.BUSY, 0.0)
             await self._reply_error(msg.reply, BatonError(
-                ErrorCode.BUSY, f"{self.subject}: {self._max_in_flight} requests in flight; retry later"))
+                ErrorCode.BUSY, f"{self.subject}: {self._max_in_flight} requests in flight; retry later"),
+                connection_epoch(self._nc))
             return
         task = asyncio.create_task(self._handle(msg), name=f"serve {self.subject}")
         self._tasks.add(task)
@@ -90,34 +94,37 @@ class Endpoint:
 
     async def _handle(self, msg: Msg) -> None:
         started, code, request = time.perf_counter(), None, None
+        epoch = connection_epoch(self._nc)
         try:
             request = decode(msg.data, self._request_cls, self._limits)
             result = self._handler(request)
             if inspect.isasyncgen(result):
-                await self._stream(msg.reply, result, request)
+                await self._stream(msg.reply, result, request, epoch)
             else:
-                await self._reply(msg.reply, await result)
+                await self._answer(msg.reply, await result, epoch)
         except BatonError as exc:
             code = exc.code
             log.debug("%s: request %s: %s", self.subject, _request_id(request), exc)
-            await self._reply_error(msg.reply, exc)
+            await self._reply_error(msg.reply, exc, epoch)
         except asyncio.CancelledError:
             code = ErrorCode.UNAVAILABLE
-            await self._reply_error(msg.reply, BatonError(code, f"{self.subject}: service is shutting down"))
+            await self._reply_error(msg.reply, BatonError(code, f"{self.subject}: service is shutting down"), epoch)
             raise
         except Exception as exc:
             code = ErrorCode.INTERNAL
             log.exception("%s: request %s failed", self.subject, _request_id(request))
             await self._reply_error(msg.reply, BatonError(
-                code, f"{self.subject}: request {_request_id(request)} failed: {type(exc).__name__}: {exc}"))
+                code, f"{self.subject}: request {_request_id(request)} failed: {type(exc).__name__}: {exc}"), epoch)
         finally:
             self.stats.record(code, time.perf_counter() - started)
 
-    async def _stream(self, reply_subject: str, replies: AsyncIterator[Any], request: Any) -> None:
+    async def _stream(self, reply_subject: str, replies: AsyncIterator[Any], request: Any, epoch: int) -> None:
         """Publish a streaming reply. Each chunk carries a probe reply subject: once the client's
         inbox has no subscriber any more (it stopped listening or disconnected), the server answers
         the probe with a 503 "no responders" status, and the stream is closed, which runs the
-        handler's cleanup (the router then cancels the request and frees its slots)."""
+        handler's cleanup (the router then cancels the request and frees its slots). A stream whose
+        connection was re-made meanwhile ends with `unavailable`: chunks sent around the reconnect
+        may be lost, and the client must not take what arrives for the whole reply."""
         gone = asyncio.Event()
 
         async def on_probe(msg: Msg) -> None:
@@ -127,6 +134,9 @@ class Endpoint:
         try:
             async with aclosing(replies):
                 async for reply in replies:
+                    if connection_epoch(self._nc) != epoch:
+                        raise BatonError(ErrorCode.UNAVAILABLE, f"{self.subject}: the NATS connection was lost "
+                                         "while the reply streamed, so part of it may be lost; send the request again")
                     if gone.is_set():
                         log.info("%s: request %s: the client stopped listening; cancelled",
                                  self.subject, _request_id(request))
@@ -142,11 +152,38 @@ class Endpoint:
             await self._nc.publish(reply_subject, encode_for(reply_subject, message, self._nc.max_payload),
                                    reply=probe)
 
-    async def _reply_error(self, reply_subject: str, error: BatonError) -> None:
+    async def _answer(self, reply_subject: str, message: Any, epoch: int) -> None:
+        """The one reply to a request. If the connection was re-made while it was handled (e.g.
+        nats-server restarted), the requester may not have subscribed again yet, and the server
+        would drop the reply: it goes with a probe then, and again while the probe comes back 503
+        "no responders", for up to REDELIVER_S."""
+        if connection_epoch(self._nc) == epoch or self._nc.is_closed or not reply_subject or message is None:
+            return await self._reply(reply_subject, message)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REDELIVER_S
+        while self._nc.is_reconnecting and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        while not await self._delivered(reply_subject, message) and loop.time() < deadline:
+            await asyncio.sleep(0.2)
+
+    async def _delivered(self, reply_subject: str, message: Any) -> bool:
+        """False when the server answered the reply's probe with "no responders"."""
+        probe = await self._nc.subscribe(self._nc.new_inbox(), max_msgs=1)
+        try:
+            await self._reply(reply_subject, message, probe.subject)
+            answer = await probe.next_msg(timeout=1.0)
+        except nats.errors.TimeoutError:  # nothing came back: somebody took it
+            return True
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await probe.unsubscribe()
+        return not (answer.headers and answer.headers.get("Status") == "503")
+
+    async def _reply_error(self, reply_subject: str, error: BatonError, epoch: int) -> None:
         if not reply_subject:
             return
         try:
-            await self._reply(reply_subject, error.to_reply())
+            await self._answer(reply_subject, error.to_reply(), epoch)
         except Exception as exc:  # closed connection: the caller will time out; nothing else to do
             log.warning("%s: could not send error reply %s: %s", self.subject, error.code.value, exc)
 

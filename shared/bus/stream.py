@@ -14,7 +14,7 @@ from nats.aio.subscription import Subscription
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.limits import Limits
 
-from .wire import decode_reply_from, nats_errors_mapped
+from .wire import connection_epoch, decode_reply_from, nats_errors_mapped
 
 log = logging.getLogger(__name__)
 M = TypeVar("M")
@@ -27,12 +27,15 @@ class ReplyStream(Generic[M]):
     `timeout_per_message` seconds of silence raise timeout. After `liveness_s` of silence the
     sender is pinged on the reply subject of its last message (its probe): "no responders" means
     the sender is gone, and the stream raises unavailable within seconds instead of at its timeout.
+    A stream whose connection was lost and re-made meanwhile (e.g. nats-server restarted) raises
+    unavailable too: messages sent while it was away are gone, so what follows would have a gap.
     The subscription is removed when the stream ends, on `close()`, on leaving `async with`, or
     when the bus closes.
     """
 
     def __init__(self, nc: Client, cls: type[M], timeout_per_message: float, limits: Limits,
-                 request: tuple[str, bytes], on_close: Callable[["ReplyStream"], None], liveness_s: float = 2.0):
+                 request: tuple[str, bytes], on_close: Callable[["ReplyStream"], None],
+                 settling: Callable[[], Callable[[], bool]] = lambda: lambda: False, liveness_s: float = 2.0):
         if "finished" not in {f.name for f in fields(cls)}:
             raise TypeError(f"{cls.__name__} has no 'finished' field to end a stream")
         self.subject = nc.new_inbox()
@@ -41,7 +44,10 @@ class ReplyStream(Generic[M]):
         self._probe = ""  # the sender's probe subject: the reply subject of its last message
         self._request_subject, self._request_data = request  # published with reply=self.subject
         self._on_close = on_close
+        self._settling = settling  # Bus.settling: whether "no responders" may mean "not subscribed again yet"
+        self._still_settling: Callable[[], bool] = lambda: False
         self._sub: Subscription | None = None
+        self._epoch = 0  # the connection the stream subscribed on (wire.connection_epoch)
         self._done = False
 
     async def start(self) -> None:
@@ -50,8 +56,9 @@ class ReplyStream(Generic[M]):
             return
         try:
             with nats_errors_mapped(self._request_subject):
+                self._epoch, self._still_settling = connection_epoch(self._nc), self._settling()
                 self._sub = await self._nc.subscribe(self.subject)
-                await self._nc.publish(self._request_subject, self._request_data, reply=self.subject)
+            await self._send()
         except BaseException:
             await self.close()
             raise
@@ -80,11 +87,26 @@ class ReplyStream(Generic[M]):
                 except nats.errors.TimeoutError:
                     if loop.time() >= deadline:
                         raise
+                    self._check_connection()
                     await self._check_sender()
+        self._check_connection()
         self._probe = msg.reply or self._probe
         if msg.headers and msg.headers.get("Status") == "503":
-            raise BatonError(ErrorCode.UNAVAILABLE, f"no service is listening on {self._request_subject}")
+            if not self._still_settling():
+                raise BatonError(ErrorCode.UNAVAILABLE, f"no service is listening on {self._request_subject}")
+            await asyncio.sleep(0.1)  # nobody got it: the server restarted and the services are subscribing again
+            await self._send()
+            return await self._next()
         return decode_reply_from(self._request_subject, msg.data, self._cls, self._limits)
+
+    async def _send(self) -> None:
+        with nats_errors_mapped(self._request_subject):
+            await self._nc.publish(self._request_subject, self._request_data, reply=self.subject)
+
+    def _check_connection(self) -> None:
+        if connection_epoch(self._nc) != self._epoch:
+            raise BatonError(ErrorCode.UNAVAILABLE, f"{self._request_subject}: the NATS connection was lost "
+                             "while the reply streamed, so part of it may be lost; send the request again")
 
     async def _check_sender(self) -> None:
         """Ping the sender's probe: its subscription receives and ignores the ping (a timeout here),

@@ -20,6 +20,13 @@ NOT_CONNECTED = (
 )
 
 
+def connection_epoch(nc) -> int:
+    """Which connection to a server `nc` is on, counting the one it is reconnecting to. Core NATS
+    keeps nothing across a reconnect: a message sent around it may be lost, a subscription's
+    messages meanwhile are, so whoever sees the epoch change mid-conversation must assume a gap."""
+    return nc.stats["reconnects"] + (0 if nc.is_connected else 1)
+
+
 def encode_for(subject: str, message: Any, max_payload: int) -> bytes:
     """Encode `message`, refusing with too_large what the server would refuse to carry."""
     data = encode(message)
