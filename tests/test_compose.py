@@ -206,7 +206,7 @@ def test_compose_baton_toml_and_docs_exist():
 def test_baton_health_reads_fresh_good_files_only(tmp_path):
     import json
     import time
-    from baton.serve import health_check, remove_stale_health_files
+    from baton.health import health_check, remove_stale_health_files
     cfg = config.load(env={"BATON_HEALTH_DIR": str(tmp_path), "BATON_HEALTH_MAX_AGE_S": "20"})
     ok, detail = health_check("router", cfg)
     assert not ok and "no health file for router" in detail
