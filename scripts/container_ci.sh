@@ -17,7 +17,7 @@ DOCKER=/usr/bin/docker  # Debian's CLI: another one may come first on PATH
 export BATON_DOCKER=$DOCKER BATON_COMPOSE=/usr/bin/docker-compose
 export BATON_BASE_IMAGE=baton-base:bookworm BATON_NATS_IMAGE=baton-nats:local BATON_IMAGE=baton:cpu
 export DOCKER_BUILDKIT=0  # the classic builder: BuildKit may want to pull its own images
-say() { echo "container_ci: $*"; }
+say() { echo "container_ci: [${SECONDS} s] $*"; }
 die() { echo "container_ci: FAILED: $*" >&2; exit 1; }
 started=()  # pids of the daemons started here, stopped at exit
 wheel_server=""
@@ -124,5 +124,8 @@ size=$($DOCKER image inspect -f '{{.Size}}' "$BATON_IMAGE")
 say "image $BATON_IMAGE: $((size / 1000000)) MB, built in $((SECONDS - t_build)) s"
 
 # --- 5. the tests --------------------------------------------------------------------------
-timeout 900 "$PY" -m pytest -q --durations=5 -m container tests/test_containers.py || die "container tests"
+export BATON_COMPOSE_LOGS="$CACHE/compose.log"  # the containers' logs, written when a test fails
+rm -f "$BATON_COMPOSE_LOGS"
+timeout 900 "$PY" -m pytest -q --durations=5 -m container tests/test_containers.py \
+  || { [ -e "$BATON_COMPOSE_LOGS" ] && tail -150 "$BATON_COMPOSE_LOGS" >&2; die "container tests (logs: $BATON_COMPOSE_LOGS)"; }
 say "passed in $((SECONDS - t0)) s"

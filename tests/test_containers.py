@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -38,6 +37,7 @@ DOCKER = os.environ.get("BATON_DOCKER", "/usr/bin/docker")
 COMPOSE = os.environ.get("BATON_COMPOSE", "docker-compose")
 PROJECT = "baton-ci"
 LABEL = f"label=com.docker.compose.project={PROJECT}"
+LOGS = Path(os.environ.get("BATON_COMPOSE_LOGS", "/tmp/baton-ci-compose.log"))  # written when a test failed
 # the compose file's development passwords (no .env here)
 CLIENT, SERVICE = "client:baton-client-dev", "service:baton-service-dev"
 
@@ -78,8 +78,9 @@ class Stack:
         return json.loads(run(DOCKER, "inspect", container))[0]
 
     def dump_logs(self) -> None:
-        """The containers' last log lines, past pytest's capture (a failed test's teardown is not shown)."""
-        print(self.compose("logs", "--no-color", "--tail", "60"), file=sys.__stderr__)
+        """The containers' last log lines into LOGS (scripts/container_ci.sh prints it on failure):
+        the output of a module fixture's teardown is not shown with a failed test."""
+        LOGS.write_text(self.compose("logs", "--no-color", "--tail", "100"))
 
     def not_healthy(self) -> list[str]:
         """'service: status' of each container of the project whose health check has not passed."""
@@ -205,7 +206,7 @@ def test_a_killed_decode_container_is_restarted_and_no_request_is_lost(stack, to
     old = set(stack.decodes())
     assert len(old) == 2
     batch = prompts(tok, 4)
-    max_tokens = 160  # past end of text, so the kill lands while every request decodes
+    max_tokens = 600  # past end of text (ignore_eos): long enough that the kill lands while both decode
 
     async def scenario():
         first = await asyncio.gather(*(generate(stack.client_url, p, max_tokens, ignore_eos=True) for p in batch))
@@ -215,6 +216,7 @@ def test_a_killed_decode_container_is_restarted_and_no_request_is_lost(stack, to
         while not all(load[5] > 0 for load in (await worker_loads(stack.service_url)).values()
                       if load[0] == "decode"):
             assert time.monotonic() < deadline, "both decodes decoding not within 60 s"
+            assert not all(task.done() for task in during), "the requests ended before both decodes were seen decoding"
             await asyncio.sleep(0.2)
         os.kill(before["State"]["Pid"], signal.SIGKILL)  # the container's init: the whole container dies
         assert await asyncio.gather(*during) == first  # whole replies, finish reasons too
