@@ -120,6 +120,7 @@ $DOCKER build --network host -t "$BATON_IMAGE" --build-arg BASE_IMAGE="$BATON_BA
   --build-arg TORCH_INDEX_URL="http://127.0.0.1:$port/" . > "$CACHE/build.log" 2>&1 \
   || { tail -30 "$CACHE/build.log" >&2; die "docker build (log: $CACHE/build.log)"; }
 kill "$wheel_server" 2>/dev/null; wheel_server=""
+$DOCKER image prune -f > /dev/null  # the previous build's image, now untagged
 size=$($DOCKER image inspect -f '{{.Size}}' "$BATON_IMAGE")
 say "image $BATON_IMAGE: $((size / 1000000)) MB, built in $((SECONDS - t_build)) s"
 
