@@ -1,36 +1,56 @@
-# syntax=docker/dockerfile:1
 # One image for every Baton service (`baton serve registry|router|prefill|decode|http`).
 #
-#   docker build -t baton:cpu .                                   # CPU (default)
-#   docker build -t baton:cuda --build-arg VARIANT=cuda .         # CUDA 12 torch build
+#   docker build -t baton:cpu .                                            # CPU, public images and indexes
+#   docker build -t baton:cuda --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 #
-# compose/docker-compose.yml builds it (BATON_VARIANT=cuda for the CUDA variant). The model in
-# models/ is baked in; mount another one and set BATON_MODEL_PATH to serve it.
-# Nothing here has been built on the machines Baton is developed on (no Docker there); see the
-# "Deployment" section of README.md.
+# Offline or behind a mirror, nothing here needs an edit: BASE_IMAGE names any image with python3
+# (Debian/Ubuntu ones without it get it from apt), PIP_INDEX_URL / PIP_EXTRA_INDEX_URL /
+# PIP_FIND_LINKS / PIP_NO_INDEX / PIP_TRUSTED_HOST are pip's own settings, and TORCH_INDEX_URL is
+# where torch comes from. scripts/container_ci.sh builds it that way from a local Debian base and
+# a wheel directory served on the host (docs/deployment.md).
+#
+# compose/docker-compose.yml builds it (BATON_BASE_IMAGE, BATON_TORCH_INDEX_URL pass through).
+# The model in models/ is baked in; mount another one and set BATON_MODEL_PATH to serve it.
 
-ARG VARIANT=cpu
-ARG PYTHON_VERSION=3.11
-ARG CUDA_BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
-
-# --- base images: a Python interpreter, and the matching torch wheel index --------------------
-FROM python:${PYTHON_VERSION}-slim-bookworm AS base-cpu
-ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-
-FROM ${CUDA_BASE} AS base-cuda
-RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-dev \
- && rm -rf /var/lib/apt/lists/* \
- && ln -sf /usr/bin/python3 /usr/local/bin/python
-ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-
-# --- the image ----------------------------------------------------------------------------
-FROM base-${VARIANT} AS baton
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
+ARG PIP_TRUSTED_HOST
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
-RUN python -m venv /opt/venv
-# torch first, from the variant's index (its own layer: it is most of the image)
-RUN pip install "torch==2.13.0" --index-url "$TORCH_INDEX_URL"
+# a base without Python (nvidia/cuda) gets it from apt
+RUN if ! command -v python3 > /dev/null; then \
+      apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
+      && rm -rf /var/lib/apt/lists/* /var/cache/apt/*; fi \
+ && python3 -m venv /opt/venv \
+ && useradd --system --uid 10001 --home-dir /opt/baton baton
+
+# Baton's dependencies, from pyproject.toml alone (a code change does not reinstall them), in one
+# layer with what Baton does not run taken out again: torch's test binaries, headers, test
+# libraries and protoc; NIXL's expert-parallel GPU kernels (nixl_ep); sympy, mpmath and networkx,
+# which torch needs only for torch.compile / torch.export (the engine uses neither); and the
+# symbol tables of libtorch (~100 MB; strip --strip-unneeded keeps the dynamic symbols; binutils
+# comes and goes in this step where the base has no strip). torch goes first, from its own
+# index: any other source or spec may pull a multi-GB CUDA build.
+COPY pyproject.toml /tmp/
+RUN pip install "torch==2.13.0" --index-url "$TORCH_INDEX_URL" \
+ && python3 -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['transfer']))" > /tmp/requirements.txt \
+ && pip install -r /tmp/requirements.txt \
+ && sp=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
+ && rm -rf "$sp"/torch/test "$sp"/torch/include "$sp"/torch/bin/test_* "$sp"/torch/bin/*Test \
+           "$sp"/torch/bin/protoc* "$sp"/torch/lib/lib*test*.so "$sp"/nixl_ep_cu12 /tmp/* \
+ && pip uninstall -q -y sympy mpmath networkx \
+ && libs="$sp/torch/lib/libtorch_cpu.so $sp/torch/lib/libtorch_python.so" \
+ && if command -v strip > /dev/null; then strip --strip-unneeded $libs; \
+    else apt-get update && apt-get install -y --no-install-recommends binutils \
+      && strip --strip-unneeded $libs && apt-get purge -y --auto-remove binutils \
+      && rm -rf /var/lib/apt/lists/* /var/cache/apt/*; fi
 
 WORKDIR /opt/baton
 COPY pyproject.toml README.md ./
@@ -40,10 +60,9 @@ COPY proto ./proto
 COPY services ./services
 COPY kernels ./kernels
 COPY models ./models
-# editable, so the shipped model resolves next to the code (models/baton-tiny)
-RUN pip install -e ".[transfer]" && baton config show > /dev/null
-
-RUN useradd --system --uid 10001 --home-dir /opt/baton baton
+# editable, so the shipped model resolves next to the code (models/baton-tiny); its dependencies
+# and setuptools (torch's) are in the venv already, so nothing is fetched here
+RUN pip install --no-deps --no-build-isolation -e ".[transfer]" && baton config show > /dev/null
 USER baton
 # NATS clients 4222 (outbound only); HTTP frontend 8000; Prometheus metrics 9100 (metrics.port).
 # NIXL/UCX over TCP listens on ephemeral ports unless UCX_TCP_PORT_RANGE is set.

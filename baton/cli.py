@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
               else configuration.to_toml(cfg, args.reveal), end="\n" if args.json else "")
         return 0
     if args.command == "health":
-        from baton.serve import health_check
+        from baton.health import health_check
         ok, detail = health_check(args.role, cfg)
         print(f"baton {args.role}: {'healthy' if ok else 'unhealthy'}: {detail}", file=sys.stdout if ok else sys.stderr)
         return 0 if ok else 1

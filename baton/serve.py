@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from baton.health import health_file, remove_stale_health_files
 from baton.proto.errors import BatonError
 from baton.shared.bus import Bus
 from baton.shared.config import Config
@@ -83,10 +84,6 @@ SERVICES = {"registry": _registry, "router": _router, "http": _http, "aggregated
 
 
 # --- health ----------------------------------------------------------------------------------
-def health_file(role: str, cfg: Config, pid: int | None = None) -> Path:
-    return Path(cfg.health.dir) / f"baton-{role}-{os.getpid() if pid is None else pid}.health"
-
-
 def _probe(role: str, bus: Bus, worker_id: str | None) -> Callable[[], Awaitable[str | None]]:
     """None when healthy, else why not: connected to NATS, serving (registry, router), or
     registered with the registry (prefill, decode)."""
@@ -108,17 +105,6 @@ def _probe(role: str, bus: Bus, worker_id: str | None) -> Callable[[], Awaitable
     return probe
 
 
-def remove_stale_health_files(directory: Path, role: str) -> None:
-    """Files left by processes of `role` that died without cleaning up (killed, crashed)."""
-    for path in directory.glob(f"baton-{role}-*.health"):
-        try:
-            os.kill(int(path.stem.rsplit("-", 1)[1]), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-        except (ValueError, OSError):
-            pass
-
-
 async def keep_health_file(path: Path, role: str, probe: Callable[[], Awaitable[str | None]], interval_s: float) -> None:
     """Rewrite `path` every `interval_s` with the probe's verdict; `baton health` reads it."""
     remove_stale_health_files(path.parent, role)
@@ -135,34 +121,6 @@ async def keep_health_file(path: Path, role: str, probe: Callable[[], Awaitable[
         except OSError as exc:
             log.warning("cannot write health file %s: %s", path, exc)
         await asyncio.sleep(interval_s)
-
-
-def health_check(role: str, cfg: Config) -> tuple[bool, str]:
-    """For `baton health ROLE`: the HTTP frontend is asked over HTTP (/health); other roles are
-    healthy when some process of that role on this machine wrote a fresh, good health file."""
-    if role == "http":
-        import urllib.error
-        import urllib.request
-        host = "127.0.0.1" if cfg.http.host in ("0.0.0.0", "::", "") else cfg.http.host
-        url = f"http://{host}:{cfg.http.port}/health"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                return True, f"{url}: {resp.read().decode()}"
-        except urllib.error.HTTPError as exc:
-            return False, f"{url}: {exc.code} {exc.read().decode(errors='replace')}"
-        except OSError as exc:
-            return False, f"{url}: {exc}"
-    now, reports = time.time(), []
-    for path in sorted(Path(cfg.health.dir).glob(f"baton-{role}-*.health")):
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        age = now - report.get("time", 0)
-        if report.get("ok") and age <= cfg.health.max_age_s:
-            return True, f"pid {report.get('pid')}: {report.get('detail')} ({age:.0f} s ago)"
-        reports.append(f"pid {report.get('pid')}: {report.get('detail')} ({age:.0f} s ago)")
-    return False, "; ".join(reports) or f"no health file for {role} in {cfg.health.dir}"
 
 
 # --- running ---------------------------------------------------------------------------------
