@@ -6,11 +6,8 @@ Replies are compared whole (token ids, text, finish reason) with the same reques
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -21,26 +18,13 @@ from baton.proto.internal import LookupReply, LookupRequest, WorkerEvent
 from baton.proto.public import GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
 from e2e_cluster import wait_all_free
-from test_up_supervision import baton_up, children, prompts, wait_async
+from test_up_supervision import LOADED, baton_up, busy_loops, children, prompts, wait_async
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 MAX_TOKENS = 96
 IN_FLIGHT = 8
 CLIENT_TIMEOUT_S = 90.0  # a client timeout is silence: no test here may see one
 STALL_S = 15.0
-LOADED = pytest.mark.parametrize("busy", [0, 2], ids=["idle", "loaded"])
-
-
-@contextlib.contextmanager
-def busy_loops(count: int):
-    """`count` processes spinning on a core each, killed on exit."""
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
 
 
 async def reply(bus: Bus, prompt: list[int], stream: bool):
@@ -144,11 +128,11 @@ async def _roles_back(bus: Bus) -> bool:
 
 
 @LOADED
-@pytest.mark.parametrize("role", ["decode", "prefill"])
+@pytest.mark.parametrize("role", ["decode", "prefill", "registry"])
 def test_the_only_worker_of_a_role_stopped_15_s_fails_no_request(tmp_path, role, busy):
-    """SIGSTOP of the only decode (or prefill) for 15 s, longer than its lease, while requests run and
-    arrive: requests wait for it instead of failing, it is not forgotten (same instance, no 'left'),
-    every reply is exact and every page and slot comes back."""
+    """SIGSTOP of the only decode (or prefill, or the registry) for 15 s, longer than a lease, while
+    requests run and arrive: requests wait for it instead of failing, no worker is forgotten (same
+    instances, no 'left'), every reply is exact and every page and slot comes back."""
     with busy_loops(busy), baton_up(tmp_path) as up:
         async def run():
             async with await Bus.connect(up.nats_url, "test") as bus:

@@ -136,8 +136,24 @@ async def wait_async(condition, timeout_s: float, what: str):
     return result
 
 
-def test_one_of_two_decodes_killed_is_restarted_and_no_request_is_lost(tmp_path):
-    with baton_up(tmp_path, "--decode", "2") as up:
+LOADED = pytest.mark.parametrize("busy", [0, 2], ids=["idle", "loaded"])
+
+
+@contextlib.contextmanager
+def busy_loops(count: int):
+    """`count` processes spinning on a core each (a loaded machine), killed on exit."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+@LOADED
+def test_one_of_two_decodes_killed_is_restarted_and_no_request_is_lost(tmp_path, busy):
+    with busy_loops(busy), baton_up(tmp_path, "--decode", "2") as up:
         async def run():
             async with await Bus.connect(up.nats_url, "test") as bus:
                 batch = prompts(8)
@@ -168,8 +184,9 @@ async def _replaced(url: str, old: set[str]) -> bool:
     return len(now) == 2 and len(now & old) == 1
 
 
-def test_sigkill_of_baton_up_leaves_no_process(tmp_path):
-    with baton_up(tmp_path) as up:
+@LOADED
+def test_sigkill_of_baton_up_leaves_no_process(tmp_path, busy):
+    with busy_loops(busy), baton_up(tmp_path) as up:
         kids = children(up.proc.pid)
         assert any("nats-server" in cmd for cmd in kids.values()), kids
         assert sum("baton serve" in cmd for cmd in kids.values()) == 4, kids
