@@ -45,10 +45,10 @@ def run_engine(model, prompts, max_tokens, spec: SpecConfig, batch: int) -> dict
     first_draft_s = [0.0]
     original = engine.runner._draft_chain
 
-    def timed_chain(seqs, ks, draws):  # time decode's first draft forward of each request
+    def timed_chain(seqs, *args):  # time decode's first draft forward of each request
         fresh = any(s.stats.verify_steps == 0 for s in seqs)
         t0 = time.perf_counter()
-        out = original(seqs, ks, draws)
+        out = original(seqs, *args)
         if fresh:
             first_draft_s[0] += time.perf_counter() - t0
         return out
