@@ -65,6 +65,7 @@ class Penalties:
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
         return logits - self.frequency[rows][:, :, None] * counts - self.presence[rows][:, :, None] * (counts > 0)
 
+
 def _count(seq: Sequence, vocab: int) -> None:
     """A penalised sequence's counts, made on first use; `Sequence.emit` keeps them up to date."""
     if seq.output_counts is None:

@@ -145,7 +145,7 @@ class ModelRunner:
         for s, t in zip(seqs, tokens):
             s.length += 1
             emitted.append(s.emit([t]))
-        self._report_step(seqs, logits, [[b] for b in range(len(seqs))], [[t] for t in tokens], emitted)
+        self._report_step(seqs, logits, list(range(len(seqs))), emitted)
         return emitted
 
     def _penalised(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
@@ -178,7 +178,7 @@ class ModelRunner:
         at = self._host_index([[offsets[b] + min(j, k) for j in range(K + 1)] for b, k in enumerate(ks)])  # [B, K+1]
         accepted, emitted = self._verify(drafts, ks, logits, at, q, draws, penalties)
         result = torch.cat((drafts, accepted[:, None], emitted[:, None]), 1).tolist()  # the step's one host sync
-        out, committed = [], []
+        out = []
         for b, (s, k, row) in enumerate(zip(seqs, ks, result)):
             a, bonus = row[K], row[K + 1]
             if k:  # a request without drafts reports no speculation
@@ -187,22 +187,18 @@ class ModelRunner:
             s.length = n + a + 1  # t_n and the accepted drafts are now committed
             self.store.rollback(s.request_id, s.length)
             s.draft_len, s.pending_hidden = n + 1, hidden[offsets[b]:offsets[b] + a + 1]  # h_n .. h_{n+a}
-            committed.append(row[:a] + [bonus])
-            out.append(s.emit(committed[-1]))
-        # verify row offsets[b] + j scored the token committed at chain position j
-        self._report_step(seqs, logits, [[offsets[b] + j for j in range(len(c))] for b, c in enumerate(committed)],
-                          committed, out)
+            out.append(s.emit(row[:a] + [bonus]))
+        self._report_step(seqs, logits, offsets, out)  # verify row offsets[b] + j scored chain position j
         return out
 
-    def _report_step(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[list[int]],
-                     tokens: list[list[int]], emitted: list[list[int]]) -> None:
+    def _report_step(self, seqs: list[Sequence], logits: torch.Tensor, first_rows: list[int],
+                     emitted: list[list[int]]) -> None:
         """Logprobs of what each asking sequence emitted this step, in one pass for the batch:
-        logits [T, V], rows[b] the rows of sequence b's committed tokens tokens[b], of which it
-        emitted the first len(emitted[b]) (a stop or max_tokens may cut the rest)."""
+        logits [T, V]; sequence b's j-th emitted token was scored by row first_rows[b] + j."""
         asking = [b for b, s in enumerate(seqs) if s.logprobs is not None and emitted[b]]
         if not asking:
             return
-        picked = self._host_index([r for b in asking for r in rows[b][:len(emitted[b])]])
+        picked = self._host_index([first_rows[b] + j for b in asking for j in range(len(emitted[b]))])
         values = logprobs.logprobs_of(logits[picked], [t for b in asking for t in emitted[b]],
                                       [seqs[b].logprobs for b in asking for _ in emitted[b]])
         at = 0
