@@ -137,14 +137,12 @@ class Frontend:
 
     async def _unary(self, call: api.Call) -> list[GenerateReply]:
         """One reply per choice, asked for all at once; the first failure fails the call."""
-        pending = {r.request_id: asyncio.create_task(self._one(r)) for r in call.requests}
+        pending = [asyncio.create_task(self._one(r)) for r in call.requests]
         try:
-            return list(await asyncio.gather(*pending.values()))
+            return list(await asyncio.gather(*pending))
         finally:
-            for request_id, task in pending.items():
-                if not task.done():
-                    task.cancel()
-                    self._cancel(request_id)
+            for task in pending:
+                task.cancel()  # a no-op for the finished; the others cancel their request (`_one`)
 
     async def _one(self, request: GenerateRequest) -> GenerateReply:
         done = False
