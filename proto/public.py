@@ -132,8 +132,13 @@ class Logprobs:
             raise bad_request(f"logprobs: 'top_ids' and 'top_logprobs' differ, or exceed {MAX_LOGPROBS} per position")
 
     def __add__(self, other: "Logprobs") -> "Logprobs":
-        return Logprobs(token_ids=self.token_ids + other.token_ids, logprobs=self.logprobs + other.logprobs,
-                        top_ids=self.top_ids + other.top_ids, top_logprobs=self.top_logprobs + other.top_logprobs)
+        return Logprobs.joined([self, other])
+
+    @staticmethod
+    def joined(runs: list["Logprobs"]) -> "Logprobs":
+        """Consecutive runs as one, in one pass (adding them one at a time would copy n² entries)."""
+        return Logprobs(token_ids=[t for r in runs for t in r.token_ids], logprobs=[v for r in runs for v in r.logprobs],
+                        top_ids=[i for r in runs for i in r.top_ids], top_logprobs=[v for r in runs for v in r.top_logprobs])
 
     def __getitem__(self, part: slice) -> "Logprobs":
         return Logprobs(token_ids=self.token_ids[part], logprobs=self.logprobs[part], top_ids=self.top_ids[part],

@@ -239,14 +239,16 @@ class Router:
 
     async def _unary(self, req: GenerateRequest) -> GenerateReply:
         req, request_id, ids = await self._prepare(req)
-        tokens, pieces, extra = [], [], {}
+        tokens, pieces, logprobs, extra = [], [], [], {}
         async for fields in self._run(req, request_id, ids):
             if fields.pop("finished", False):
+                if logprobs:
+                    extra["logprobs"] = Logprobs.joined(logprobs)
                 return GenerateReply(request_id=request_id, token_ids=tokens, text="".join(pieces), **fields, **extra)
             tokens += fields.pop("token_ids")
             pieces.append(fields.pop("text"))
             if "logprobs" in fields:
-                extra["logprobs"] = extra.get("logprobs", Logprobs()) + fields.pop("logprobs")
+                logprobs.append(fields.pop("logprobs"))
             extra.update(fields)  # the prompt's logprobs and token ids, from the first delta
         raise BatonError(ErrorCode.INTERNAL, f"request {request_id} ended without a summary")
 
