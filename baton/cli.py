@@ -47,6 +47,8 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                    "the cores divided among its prefill and decode processes)")
     g.add_argument("--transfer-threads", type=int,
                    help="prefill: threads copying one KV WRITE in parallel (default 0: the NIXL thread alone)")
+    g.add_argument("--prefix-cache", type=int,
+                   help="prefill: ends of computed prompts kept for prompts that extend them (default 64; 0: off)")
 
 
 def add_http_options(p: argparse.ArgumentParser) -> None:
@@ -63,7 +65,7 @@ def worker_argv(args) -> list[str]:
             "--kv-mode", args.kv_mode, "--num-pages", str(args.num_pages), "--page-size", str(args.page_size),
             "--num-slots", str(args.num_slots), "--max-batch", str(args.max_batch),
             "--threads", str(args.threads or shared_host_threads(args.prefill + args.decode)),
-            "--transfer-threads", str(args.transfer_threads)]
+            "--transfer-threads", str(args.transfer_threads), "--prefix-cache", str(args.prefix_cache)]
 
 
 def shared_host_threads(engines: int) -> int:

@@ -226,3 +226,4 @@ class PrefillDone:
     prefill_ms: Millis
     transfer_ms: Millis
     prompt_logprobs: Logprobs | None = None  # when the dispatch's sampling asked for them
+    cached_tokens: Count = 0  # prompt positions taken from prefill's prefix cache, not computed

@@ -149,6 +149,7 @@ class Logprobs:
 class Usage:
     prompt_tokens: Count
     completion_tokens: Count
+    cached_tokens: Count = 0  # of the prompt's tokens, those prefill took from its prefix cache
 
 
 @dataclass(frozen=True, kw_only=True)

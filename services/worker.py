@@ -39,6 +39,7 @@ class WorkerConfig:
     draft_tokens: int = 3
     draft_state: str = "transfer"  # transfer | rebuild | cold
     prefill_chunk: int = 256
+    prefix_cache: int = 64  # prefill: prompt ends kept for prompts that extend them (0: off)
     max_batch: int = 64  # prompts per prefill batch / sequences per decode step
     transfer_deadline_s: float = 30.0
     transfer_threads: int = 0  # prefill: TransferAgent(copy_threads=), parallel chunks of one WRITE

@@ -72,6 +72,8 @@ EXAMPLES = [
                          transfer_ms=0.4),
     internal.PrefillDone(request_id="r-2", first_token_id=412, transfer_bytes=1 << 20, prefill_ms=8.0,
                          transfer_ms=0.4, prompt_logprobs=LOGPROBS),
+    internal.PrefillDone(request_id="r-3", first_token_id=412, transfer_bytes=1 << 20, prefill_ms=2.0,
+                         transfer_ms=0.4, cached_tokens=320),
 ]
 
 

@@ -1,6 +1,7 @@
 """Speculative decoding end to end (real nats-server, separate processes, real NIXL): greedy
 output equals transformers generate in every draft-state mode for k = 1, 3, 5 and with
-speculation off, with many requests batched together; several prefill and decode workers share
+speculation off, with many requests batched together, and turn after turn of a conversation
+whose prompts prefill starts from its prefix cache; several prefill and decode workers share
 the load and stay exact."""
 import asyncio
 import functools
@@ -42,6 +43,27 @@ async def generate_all(url: str, batch: list[list[int]]) -> list[GenerateReply]:
                                                   GenerateReply, timeout=300) for p in batch))
 
 
+async def converse(url: str, turns: int = 3) -> list[tuple[list[int], GenerateReply]]:
+    """One conversation: each turn's prompt is the last one, its reply and new held-out tokens."""
+    tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
+    said = heldout_prompts(tok, turns, 40, seed=7)
+    prompt, history = prompts()[4], []
+    async with await Bus.connect(url, "test") as bus:
+        for t in range(turns):
+            reply = await bus.request(subjects.GENERATE, GenerateRequest(token_ids=prompt, max_tokens=MAX_TOKENS),
+                                      GenerateReply, timeout=300)
+            history.append((prompt, reply))
+            prompt = prompt + reply.token_ids + said[t]
+    return history
+
+
+def check_conversation(history, k: int | None) -> None:
+    """Every turn exact; from the second on, prefill started at the end of the previous prompt."""
+    check_exact([p for p, _ in history], [r for _, r in history], k)
+    for (before, _), (_, reply) in zip(history, history[1:]):
+        assert reply.usage.cached_tokens == len(before), (reply.usage, len(before))
+
+
 def check_exact(batch, replies, k: int | None) -> None:
     for p, reply in zip(batch, replies):
         want = expected(tuple(p))
@@ -58,6 +80,7 @@ def test_greedy_exact_in_every_draft_state_mode(k, mode):
     with running_cluster(worker_args=["--draft-tokens", str(k), "--draft-state", mode]) as cluster:
         batch = prompts()
         check_exact(batch, asyncio.run(generate_all(cluster.nats_url, batch)), k)
+        check_conversation(asyncio.run(converse(cluster.nats_url)), k)
         asyncio.run(wait_all_free(cluster.nats_url))
 
 
@@ -65,6 +88,7 @@ def test_greedy_exact_with_speculation_off():
     with running_cluster(worker_args=["--spec", "off"]) as cluster:
         batch = prompts()
         check_exact(batch, asyncio.run(generate_all(cluster.nats_url, batch)), None)
+        check_conversation(asyncio.run(converse(cluster.nats_url)), None)
 
 
 def test_several_prefill_and_decode_workers_share_requests_exactly():

@@ -131,7 +131,7 @@ def test_every_error_code_has_a_status():
 
 def reply() -> GenerateReply:
     return GenerateReply(request_id="r", token_ids=[5, 6], text=" to be", finish_reason="length",
-                         usage=Usage(prompt_tokens=3, completion_tokens=2), spec=SpecStats(),
+                         usage=Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1), spec=SpecStats(),
                          timing=Timing(ttft_ms=1.0, total_ms=2.0))
 
 
@@ -141,7 +141,8 @@ def test_answers_have_the_openai_shape():
     assert body["object"] == "text_completion" and body["model"] == MODEL
     assert body["choices"] == [{"index": 0, "text": " to be", "logprobs": None, "finish_reason": "length",
                                 "token_ids": [5, 6]}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 1}}
     chat = api.response(api.parse_chat({"messages": [{"role": "user", "content": "x"}]}, MODEL, 8), [reply()])
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": " to be"}
@@ -293,10 +294,12 @@ def test_prompt_lists_and_n_become_one_request_per_choice_prompt_major():
 def test_several_choices_answer_with_indices_and_usage_counting_each_prompt_once():
     call = api.parse_completion({"prompt": ["a", "b"], "n": 2}, MODEL)
     replies = [GenerateReply(request_id=f"r{k}", token_ids=[k], text=f"t{k}", finish_reason="length",
-                             usage=Usage(prompt_tokens=3 + k // 2, completion_tokens=1), spec=SpecStats(),
+                             usage=Usage(prompt_tokens=3 + k // 2, completion_tokens=1, cached_tokens=k // 2),
+                             spec=SpecStats(),
                              timing=Timing(ttft_ms=1.0, total_ms=2.0)) for k in range(4)]
     body = api.response(call, replies)
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "t0"), (1, "t1"), (2, "t2"), (3, "t3")]
-    assert body["usage"] == {"prompt_tokens": 3 + 4, "completion_tokens": 4, "total_tokens": 11}
+    assert body["usage"] == {"prompt_tokens": 3 + 4, "completion_tokens": 4, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 0 + 1}}
     streamed = api.stream_chunks(call, StreamChunk(request_id="r2", token_ids=[2], text="t2"), index=2)
     assert streamed[0]["choices"][0]["index"] == 2

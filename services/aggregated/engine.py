@@ -302,7 +302,7 @@ class AggregatedEngine:
         state = self.spec.draft_state if self.spec.enabled else "cold"
         outputs = self.runner.prefill(seqs)
         if self.spec.enabled and state == "transfer":
-            self.runner.fill_draft_windows(seqs, [out.hidden for out in outputs])
+            self.runner.fill_draft_windows(seqs, outputs)
         for job, out in zip(batch, outputs):
             seq = job.seq
             tail = out.hidden[-self.window:] if state == "rebuild" else out.hidden[-1:]

@@ -301,13 +301,15 @@ def usage(u: Usage | None) -> dict[str, int] | None:
     if u is None:
         return None
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 def total_usage(call: Call, usages: list[Usage]) -> Usage:
     """Over every choice (in `call.requests` order): each prompt counted once, as OpenAI does."""
     return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages[::call.n]),
-                 completion_tokens=sum(u.completion_tokens for u in usages))
+                 completion_tokens=sum(u.completion_tokens for u in usages),
+                 cached_tokens=sum(u.cached_tokens for u in usages[::call.n]))
 
 
 def _choice(call: Call, index: int, text: str, token_ids: list[int], finish_reason: str | None, delta: bool,

@@ -40,6 +40,7 @@ class Job:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: Outcome | None = None  # set once, on the event loop; the engine thread only reads it
     at: Stamps = field(default_factory=Stamps)
+    cached_tokens: int = 0  # prompt positions taken from the prefix cache (set on the engine thread)
 
     @property
     def request_id(self) -> str:

@@ -31,6 +31,7 @@ from baton.shared.kv.aux import pack_aux
 from baton.shared.kv.codec import from_plain
 from baton.shared.kv.components import Allocation
 from baton.shared.kv.plan import TransferPlan
+from baton.shared.kv.prefix_cache import Hit, PrefixCache
 from baton.shared.kv.store import KVStore
 from baton.shared.model.checkpoint import fingerprint, load_model
 from baton.shared.transfer.agent import TransferAgent
@@ -60,6 +61,8 @@ class PrefillWorker:
         self.runner = ModelRunner(self.model, self.store, SpecConfig(config.spec, config.draft_tokens,
                                                                      config.draft_state), config.prefill_chunk)
         self.send_draft = send_draft
+        self.cache = (PrefixCache(self.store, config.prefix_cache, self.model.cfg.hidden_size)
+                      if config.prefix_cache else None)
         self.manifest = self.store.manifest(config.worker_id, fingerprint(config.model), role="prefill")
         self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=peer_lookup(bus),
                                    copy_threads=config.transfer_threads)
@@ -213,7 +216,7 @@ class PrefillWorker:
 
     def _compute(self, jobs: list[Job]) -> list[tuple[Job, Sequence, PrefillOutput, Staged]]:
         """Engine thread: allocate, prefill the batch; stage the requests whose target is known."""
-        seqs = []
+        seqs, hits = [], []
         for job in jobs:
             job.at.mark("computing")
             d = job.dispatch
@@ -221,7 +224,7 @@ class PrefillWorker:
                 job.done.get_loop().call_soon_threadsafe(_fail, job, job.outcome)
                 continue
             try:
-                self.store.allocate(d.request_id, len(d.token_ids))
+                hits.append(self._allocate(d))
             except KVError as exc:
                 job.done.get_loop().call_soon_threadsafe(_fail, job, BatonError(ErrorCode.BUSY, str(exc)))
                 continue
@@ -229,7 +232,9 @@ class PrefillWorker:
             seqs.append((job, Sequence(d.request_id, list(d.token_ids), 1, params,
                                        prompt_logprobs=d.sampling.prompt_logprobs,
                                        output_in_prompt=d.sampling.output_in_prompt)))
-        outputs = self.runner.prefill([s for _, s in seqs]) if seqs else []
+        outputs = self.runner.prefill([s for _, s in seqs], [h.start if h else 0 for h in hits]) if seqs else []
+        for (job, seq), out, hit in zip(seqs, outputs, hits):
+            self._cached(job, seq, out, hit)
         targets = [job.target for job, _ in seqs]  # set on the loop thread; read once here
         self._fill_draft_windows([(seq, out, target) for (_, seq), out, target in zip(seqs, outputs, targets)
                                   if target])
@@ -239,11 +244,29 @@ class PrefillWorker:
             job.at.mark("computed")
         return results
 
+    def _allocate(self, d: PrefillDispatch) -> Hit | None:
+        """Engine thread: the request's KV, from the longest cached prompt end it extends (not
+        with prompt logprobs, which need every position computed)."""
+        if self.cache is None:
+            self.store.allocate(d.request_id, len(d.token_ids))
+            return None
+        return self.cache.allocate(d.request_id, list(d.token_ids), use=d.sampling.prompt_logprobs is None)
+
+    def _cached(self, job: Job, seq: Sequence, out: PrefillOutput, hit: Hit | None) -> None:
+        """Engine thread: a hit's cached hidden rows join the computed ones; the prompt's end is
+        cached in turn."""
+        job.cached_tokens = hit.start if hit else 0
+        if hit is not None:
+            rows, first = hit.hidden(self.cache)
+            out.hidden, out.hidden_start = torch.cat((rows, out.hidden)), first
+        if self.cache is not None:
+            self.cache.insert(seq.request_id, seq.prompt, out.hidden, out.hidden_start)
+
     def _fill_draft_windows(self, targeted: list[tuple[Sequence, PrefillOutput, Target]]) -> None:
         """Engine thread: the draft windows that travel, for the whole batch in one forward."""
         if self.send_draft:
             send = [(seq, out) for seq, out, target in targeted if target.plan.draft_state == "transfer"]
-            self.runner.fill_draft_windows([seq for seq, _ in send], [out.hidden for _, out in send])
+            self.runner.fill_draft_windows([seq for seq, _ in send], [out for _, out in send])
 
     def _stage_late(self, job: Job, target: Target, seq: Sequence, out: PrefillOutput) -> list[Descriptor] | BatonError:
         """Engine thread: a request whose target came after its prefill: its draft window, then `_try_stage`."""
@@ -298,7 +321,7 @@ class PrefillWorker:
         L = len(seq.prompt)
         rows = target.plan.aux_hidden_rows(L)
         pack_aux(self.store.aux_row(seq.request_id), self.store.aux_layout, request_tag(seq.request_id),
-                 out.first_token, out.hidden[L - rows:] if rows else torch.zeros(0, self.model.cfg.hidden_size))
+                 out.first_token, out.hidden[-rows:] if rows else torch.zeros(0, self.model.cfg.hidden_size))
         src = self.store.allocation(seq.request_id)
         return [Descriptor(d.component_key, d.layer_index, d.src_offset, d.dst_offset, d.nbytes)
                 for d in target.plan.descriptors(L, src, target.decode_alloc)]
@@ -331,7 +354,7 @@ class PrefillWorker:
             return
         job.done.set_result(PrefillDone(request_id=rid, first_token_id=out.first_token, transfer_bytes=result.nbytes,
                                         prefill_ms=prefill_ms, transfer_ms=result.seconds * 1000,
-                                        prompt_logprobs=out.prompt_logprobs))
+                                        prompt_logprobs=out.prompt_logprobs, cached_tokens=job.cached_tokens))
 
 
 def _fail(job: Job, error: BatonError) -> None:

@@ -217,13 +217,15 @@ class Router:
         log_request("router", request_id, outcome=result, prompt_tokens=len(ids), completion_tokens=n_tokens,
                     ttft_ms=ttft, total_ms=round(total, 2), workers=flow.served_by, spec=outcome.spec,
                     prefill_ms=done.prefill_ms if done else None, transfer_ms=done.transfer_ms if done else None,
-                    transfer_bytes=done.transfer_bytes if done else None, at=flow.at,
+                    transfer_bytes=done.transfer_bytes if done else None,
+                    cached_tokens=done.cached_tokens if done else None, at=flow.at,
                     migrated_after=flow.migrated_after or None)
         if outcome.error is not None:
             raise outcome.error
         if rest := text.finish():
             yield dict(token_ids=[], text=rest)
-        yield dict(finished=True, finish_reason=reason, usage=Usage(prompt_tokens=len(ids), completion_tokens=n_tokens),
+        yield dict(finished=True, finish_reason=reason, usage=Usage(prompt_tokens=len(ids), completion_tokens=n_tokens,
+                                                                  cached_tokens=done.cached_tokens if done else 0),
                    spec=SpecStats(**outcome.spec), timing=Timing(ttft_ms=ttft if ttft is not None else total, total_ms=total))
 
     @staticmethod

@@ -45,7 +45,7 @@ class LocalEngine:
             self.store.allocate(s.request_id, self.reservation(s))
         outputs, state = self.runner.prefill(seqs), self.spec.draft_state
         if self.spec.enabled and state == "transfer":
-            self.runner.fill_draft_windows(seqs, [out.hidden for out in outputs])
+            self.runner.fill_draft_windows(seqs, outputs)
         for s, out in zip(seqs, outputs):
             h = out.hidden
             tail = h[-self.window:] if state == "rebuild" else h[-1:]

@@ -51,8 +51,9 @@ class SpecConfig:
 @dataclass
 class PrefillOutput:
     first_token: int
-    hidden: torch.Tensor  # [L, d] target hidden states of the prompt (before the final norm)
+    hidden: torch.Tensor  # [L - hidden_start, d] target hidden states of the prompt (before the final norm)
     prompt_logprobs: Logprobs | None = None  # of prompt[1:], when the sequence asks for them
+    hidden_start: int = 0  # the position of hidden's first row
 
 
 class ModelRunner:
@@ -78,10 +79,16 @@ class ModelRunner:
 
     # --- prefill --------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> list[PrefillOutput]:
-        """Fill target KV for each prompt (chunked, batched) and sample each first token."""
+    def prefill(self, seqs: list[Sequence], starts: list[int] | None = None) -> list[PrefillOutput]:
+        """Fill target KV for each prompt (chunked, batched) and sample each first token.
+        `starts`: the position each prompt's computation starts from (0 by default); the store
+        holds the positions below already (a prefix cache hit), and the hidden states returned
+        begin there."""
         hidden = [[] for _ in seqs]
-        done = [0] * len(seqs)
+        starts = starts or [0] * len(seqs)
+        if any(start and s.prompt_logprobs is not None for s, start in zip(seqs, starts)):
+            raise ValueError("prompt logprobs need the whole prompt computed (start 0)")
+        done = list(starts)
         while any(d < len(s.prompt) for d, s in zip(done, seqs)):
             active = [i for i, s in enumerate(seqs) if done[i] < len(s.prompt)]
             chunks = [Chunk(seqs[i].request_id, done[i], min(self.chunk, len(seqs[i].prompt) - done[i]))
@@ -95,21 +102,25 @@ class ModelRunner:
         last = self.model.logits(torch.stack([h[-1] for h in hidden]))  # [B, V]
         first = BatchSampling(seqs, self.vocab, device=self.device).choose(self._penalised(seqs, last)).tolist()
         return [PrefillOutput(t, h, None if s.prompt_logprobs is None else
-                              logprobs.prompt_logprobs(self.model.logits, h, s.prompt, s.prompt_logprobs))
-                for s, t, h in zip(seqs, first, hidden)]
+                              logprobs.prompt_logprobs(self.model.logits, h, s.prompt, s.prompt_logprobs), start)
+                for s, t, h, start in zip(seqs, first, hidden, starts)]
 
     @torch.inference_mode()
-    def fill_draft_windows(self, seqs: list[Sequence], hiddens: list[torch.Tensor]) -> None:
-        """Draft K/V of entries max(1, L-W+1) .. L-1 of each prompt from its target hidden [L, d]:
-        exactly what decode's first draft query (position L) reads. One forward for the batch."""
+    def fill_draft_windows(self, seqs: list[Sequence], outputs: list[PrefillOutput]) -> None:
+        """Draft K/V of entries max(1, L-W+1) .. L-1 of each prompt from its target hidden states
+        (which must reach down to position L-W): exactly what decode's first draft query (position
+        L) reads. One forward for the batch."""
         chunks, ids, prev = [], [], []
-        for seq, hidden in zip(seqs, hiddens):
-            L = len(seq.prompt)
+        for seq, out in zip(seqs, outputs):
+            L, first = len(seq.prompt), out.hidden_start
             lo = max(1, L - self.window + 1)
+            if lo - 1 < first:
+                raise ValueError(f"request {seq.request_id}: the draft window needs hidden states from "
+                                 f"position {lo - 1}, these start at {first}")
             if lo < L:
                 chunks.append(Chunk(seq.request_id, lo, L - lo, floor=lo))
                 ids += seq.prompt[lo:L]
-                prev.append(hidden[lo - 1:L - 1])
+                prev.append(out.hidden[lo - 1 - first:L - 1 - first])
         if chunks:
             self._draft(chunks, ids, torch.cat(prev))
 

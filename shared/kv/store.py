@@ -32,6 +32,13 @@ step is using it.
                                of new_len is no longer intact
     free(rid)                  return everything
 
+Shared pages. `allocate(rid, n, shared_pages=...)` starts a request's page table with pages it
+does not own alone: FULL pages of an earlier prompt that the prefix cache (prefix_cache.py) pins
+with `pin`. A taken page counts its holders (requests and pins) and goes back to the pool when
+the last one lets go; a request never writes a shared page (they lie below the position it
+starts from). `free_capacity` counts pages only pins hold as free: the cache gives them up on
+demand.
+
 The engine writes K/V of positions [max(old_len, first_resident), new_len) after an extend, at
 `rows(rid, layer, positions)` of `kv_buffer(layer)`. An extend of more than max_draft_tokens + 1
 positions (a prefill chunk) must take in-chunk keys from its own K/V, not from sliding storage.
@@ -86,6 +93,8 @@ class KVStore:
         self.span = sliding_span(cfg, max_draft_tokens)  # ring rows R; resident sliding positions
         self.keys: tuple[PoolKey, ...] = self.routing.keys(draft_enabled)
         self.pages = IdPool(num_pages, "pages")
+        self.page_refs = np.zeros(num_pages, dtype=np.int64)  # [P] holders of each page: requests + pins
+        self.page_pins = np.zeros(num_pages, dtype=np.int64)  # [P] of which pins (the prefix cache)
         self.slots = IdPool(num_slots, "slots")
         if num_swa_pages is None:
             num_swa_pages = num_slots * swa_pages_per_request(self.span, page_size)
@@ -112,14 +121,20 @@ class KVStore:
         self.block_table = np.zeros((num_slots, self.max_pages_per_request), dtype=np.int64)
 
     # --- request lifecycle ----------------------------------------------------------------
-    def allocate(self, request_id: str, num_tokens: int) -> Allocation:
+    def allocate(self, request_id: str, num_tokens: int, shared_pages: tuple[int, ...] = ()) -> Allocation:
+        """Reserve `num_tokens` positions; `shared_pages`: pinned pages that hold its first
+        positions already (the prefix cache's), taken as they are, the rest fresh."""
         if request_id in self._requests:
             raise KVError(f"request {request_id!r} is already allocated")
         if num_tokens <= 0:
             raise KVError(f"request {request_id!r}: num_tokens must be positive, got {num_tokens}")
         n_pages = -(-num_tokens // self.page_size)
+        shared = list(shared_pages)
+        if len(shared) > n_pages or len(set(shared)) < len(shared) or any(self.page_pins[p] <= 0 for p in shared):
+            raise KVError(f"request {request_id!r}: shared pages {shared} are not distinct pinned pages "
+                          f"within its {n_pages}")
         n_swa = swa_pages_per_request(self.span, self.page_size, num_tokens) if self.swa else 0
-        needs = [(n_pages, self.pages), (1, self.slots)]
+        needs = [(n_pages - len(shared), self.pages), (1, self.slots)]
         if self.swa:
             needs.append((n_swa, self.swa.pool))
         if n_pages > self.max_pages_per_request:
@@ -131,7 +146,8 @@ class KVStore:
         if short:
             raise OutOfCapacity(f"cannot allocate request {request_id!r} of {num_tokens} tokens: "
                                 f"needs {', '.join(short)}")
-        pages = self.pages.take(n_pages)
+        pages = shared + self.pages.take(n_pages - len(shared))
+        self.page_refs[pages] += 1
         req = RequestKV(num_tokens=num_tokens, pages=pages, slot=self.slots.take(1)[0],
                        page_table=torch.tensor(pages, dtype=torch.long, device=self.device))
         self.block_table[req.slot, :n_pages] = pages
@@ -167,8 +183,27 @@ class KVStore:
             raise KVError(f"request {request_id!r} is not allocated")
         if self.swa:
             self.swa.release(request_id)
-        self.pages.give(req.pages)
+        self._unref(req.pages)
         self.slots.give([req.slot])
+
+    def pin(self, pages: list[int]) -> None:
+        """Hold taken `pages` beyond the requests that hold them (the prefix cache)."""
+        if any(self.page_refs[p] <= 0 for p in pages) or len(set(pages)) < len(pages):
+            raise KVError(f"pages {pages}: only distinct pages in use can be pinned")
+        self.page_refs[pages] += 1
+        self.page_pins[pages] += 1
+
+    def unpin(self, pages: list[int]) -> None:
+        """Let go of pinned `pages`; those no request holds go back to the pool."""
+        if any(self.page_pins[p] <= 0 for p in pages) or len(set(pages)) < len(pages):
+            raise KVError(f"pages {pages}: not pinned (or named twice)")
+        self.page_pins[pages] -= 1
+        self._unref(pages)
+
+    def _unref(self, pages: list[int]) -> None:
+        arr = np.asarray(pages, dtype=np.int64)
+        self.page_refs[arr] -= 1
+        self.pages.give(arr[self.page_refs[arr] == 0].tolist())
 
     # --- addressing -----------------------------------------------------------------------
     def rows(self, request_id: str, layer_id: int, positions: torch.Tensor) -> torch.Tensor:
@@ -232,8 +267,13 @@ class KVStore:
 
     # --- capacity, integrity, manifest --------------------------------------------------------
     def free_capacity(self) -> FreeCapacity:
-        return FreeCapacity(pages=self.pages.num_free, slots=self.slots.num_free,
+        """Free pages include those only pins hold: the prefix cache gives them up on demand."""
+        return FreeCapacity(pages=self.pages.num_free + self.reclaimable_pages(), slots=self.slots.num_free,
                             swa_pages=self.swa.pool.num_free if self.swa else 0)
+
+    def reclaimable_pages(self) -> int:
+        """Pages held by pins alone (no request uses them)."""
+        return int(np.count_nonzero((self.page_pins > 0) & (self.page_refs == self.page_pins)))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.data.values(), self.aux))
@@ -241,10 +281,14 @@ class KVStore:
     def check_integrity(self) -> None:
         self.pages.check_integrity()
         self.slots.check_integrity()
-        pages = [p for r in self._requests.values() for p in r.pages]
+        holders = np.bincount(np.asarray([p for r in self._requests.values() for p in r.pages], dtype=np.int64),
+                              minlength=self.pages.size) + self.page_pins  # [P]
         slots = [r.slot for r in self._requests.values()]
-        require(len(pages) == len(set(pages)) and set(pages) == self.pages.used,
-                "full pages: owned twice, or taken but owned by no request")
+        require(all(len(set(r.pages)) == len(r.pages) for r in self._requests.values()),
+                "full pages: a request holds a page twice")
+        require(np.array_equal(holders, self.page_refs) and set(np.flatnonzero(holders).tolist()) == self.pages.used,
+                "full pages: holder counts out of sync, or taken but held by no request or pin")
+        require(bool((self.page_pins >= 0).all()), "full pages: negative pin counts")
         require(len(slots) == len(set(slots)) and set(slots) == self.slots.used,
                 "slots: owned twice, or taken but owned by no request")
         for rid, r in self._requests.items():

@@ -1,0 +1,213 @@
+"""Prefill's prefix cache: a prompt that starts from a cached prompt end leaves exactly the state a
+full prefill does (target KV, sliding rows, hidden rows, the draft window) and decodes to the same
+greedy tokens, in ring and paged mode; random conversations keep pins, pages and the index
+consistent, never free a page a request holds, and never hand out a stale page."""
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from baton.shared.engine.runner import ModelRunner, SpecConfig
+from baton.shared.engine.sequence import Sequence
+from baton.shared.kv.allocator import OutOfCapacity
+from baton.shared.kv.prefix_cache import PrefixCache
+from baton.shared.kv.routing import FULL
+from baton.shared.kv.store import KVStore
+from baton.shared.model.dense_attention import DenseAttention
+from tiny_model import tiny_model
+
+pytestmark = pytest.mark.unit
+W, K, PS, VOCAB = 8, 3, 4, 61
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(VOCAB, window=W)
+
+
+def parts(model, mode: str, cache: int, pages: int = 300):
+    store = KVStore(model.cfg, mode=mode, num_pages=pages, page_size=PS, num_slots=8, max_draft_tokens=K)
+    runner = ModelRunner(model, store, SpecConfig(True, K, "transfer"), prefill_chunk=5)
+    return store, runner, PrefixCache(store, cache, model.cfg.hidden_size) if cache else None
+
+
+def prefill(store, runner, cache, rid: str, prompt: list[int], reserve: int):
+    """What the prefill service does: allocate (from the cache), prefill, cache the end, draft window."""
+    seq = Sequence(rid, list(prompt), 1)
+    hit = None
+    if cache is not None:
+        hit = cache.allocate(rid, prompt, num_tokens=reserve)
+    else:
+        store.allocate(rid, reserve)
+    [out] = runner.prefill([seq], [hit.start if hit else 0])
+    if hit:
+        rows, first = hit.hidden(cache)
+        out.hidden, out.hidden_start = torch.cat((rows, out.hidden)), first
+    if cache is not None:
+        cache.insert(rid, prompt, out.hidden, out.hidden_start)
+    runner.fill_draft_windows([seq], [out])
+    return seq, out, hit
+
+
+def state(store, rid: str, L: int) -> dict:
+    """What a WRITE sends decode: every FULL row below L, the sliding rows storage keeps."""
+    got = {}
+    for key in store.keys:
+        for layer in store.routing.layers_of(key):
+            lo = 0 if key.kind == FULL else max(0, L - (W - 1)) if key.owner == "target" else max(1, L - W + 1)
+            pos = torch.arange(lo, L)
+            got[(key.name, layer)] = store.kv_rows(layer)[store.rows(rid, layer, pos)].clone()
+    return got
+
+
+@torch.no_grad()
+def dense_greedy(model, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        h = model.forward_hidden(torch.tensor(seq), torch.arange(len(seq)), DenseAttention(model.cfg, 1, len(seq)))
+        seq.append(int(model.logits(h[-1:]).argmax()))
+    return seq[len(prompt):]
+
+
+def conversation(seed: int) -> list[list[int]]:
+    """Turn prompts: each the last plus new tokens (more or fewer than the window), then the same
+    prompt again, then one cut a token short, then a diverging one."""
+    rng = random.Random(seed)
+    turns = [[rng.randrange(1, VOCAB) for _ in range(3 * W + 1)]]
+    for extra in (2, W + 3, 1, 4 * W):
+        turns.append(turns[-1] + [rng.randrange(1, VOCAB) for _ in range(extra)])
+    turns += [list(turns[-1]), turns[-1][:-1], turns[2][:-3] + [rng.randrange(1, VOCAB) for _ in range(W)]]
+    return turns
+
+
+@pytest.mark.parametrize("mode", ["ring", "paged"])
+def test_a_prompt_started_from_the_cache_leaves_the_state_of_a_full_prefill(model, mode):
+    cached, cold = parts(model, mode, cache=16), parts(model, mode, cache=0)
+    starts = []
+    for t, prompt in enumerate(conversation(1)):
+        L = len(prompt)
+        seq, out, hit = prefill(*cached, f"c{t}", prompt, L + 20)
+        ref_seq, ref, _ = prefill(*cold, f"r{t}", prompt, L + 20)
+        starts.append(hit.start if hit else 0)
+        assert out.first_token == ref.first_token
+        torch.testing.assert_close(out.hidden[-W:], ref.hidden[-W:], rtol=1e-5, atol=1e-5)  # what the draft window and aux rows read
+        got, want = state(cached[0], f"c{t}", L), state(cold[0], f"r{t}", L)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"turn {t} {name}")
+        # and decoding on from there gives the reference's tokens
+        for (store, runner, _), s, o in ((cached, seq, out), (cold, ref_seq, ref)):
+            s.max_tokens = 9
+            runner.start_decode(s, o.first_token, o.hidden[-1:], "transfer")
+            while s.finish_reason is None:
+                runner.step([s])
+        assert seq.output == ref_seq.output == dense_greedy(model, prompt, 9)
+        for store, _, cache in (cached, cold):
+            store.free(f"c{t}" if cache is not None else f"r{t}")
+            store.check_integrity()
+        cached[2].check_integrity()
+    lengths = [len(p) for p in conversation(1)]
+    # turn 0 misses; each extension starts from the previous turn's end; the same prompt again and
+    # one cut a token short start one position before its end; the diverging one starts from the
+    # longest turn it still extends
+    assert starts == [0, *lengths[:4], lengths[5] - 1, lengths[6] - 1, lengths[1]], starts
+
+
+def test_prompt_logprobs_need_the_whole_prompt(model):
+    store, runner, cache = parts(model, "ring", cache=4)
+    prompt = conversation(2)[0]
+    prefill(store, runner, cache, "a", prompt, len(prompt))
+    assert cache.allocate("b", prompt + [5, 6], use=False) is None
+    assert store.length("b") == 0
+
+
+def test_eviction_makes_room_and_keeps_what_requests_hold(model):
+    store, runner, cache = parts(model, "ring", cache=8, pages=24)
+    turns = conversation(3)[:3]  # 25, 27, 38 tokens: 7, 7, 10 pages
+    prefill(store, runner, cache, "a", turns[0], len(turns[0]))
+    store.free("a")
+    b_seq, _, hit = prefill(store, runner, cache, "b", turns[1], len(turns[1]))
+    assert hit is not None and hit.start == len(turns[0])
+    # "b" is still held (its WRITE in flight): it shares a's first 3 pages and copied the next 4,
+    # so 13 pages are free and a's last 4 are held by the cache alone (reclaimable)
+    assert (store.pages.num_free, store.free_capacity().pages) == (13, 17)
+    with pytest.raises(OutOfCapacity):  # 18 pages: more than evicting everything could give
+        cache.allocate("c", list(range(1, 73)))
+    assert len(cache) == 2  # so nothing was evicted for nothing
+    cache.check_integrity()
+    store.free("b")
+    assert cache.allocate("c", list(range(1, 73))) is None  # now the cache gives its pages up
+    assert len(cache) == 0 and cache.evictions == 2
+    cache.check_integrity()
+    store.free("c")
+    assert store.pages.num_free == 24 == store.free_capacity().pages
+    cache.check_integrity()
+
+
+# --- random conversations against the bookkeeping alone ------------------------------------------
+def _mark(store, rid: str, prompt: list[int], lo: int) -> None:
+    """Stand-in for computing positions lo..L-1: every row of position p holds token p + p/1000."""
+    L = len(prompt)
+    store.extend(rid, L)
+    for key in store.keys:
+        for layer in store.routing.layers_of(key):
+            first = max(lo, store.first_resident(rid, layer))
+            pos = torch.arange(first, L)
+            vals = torch.tensor([prompt[p] + p / 1000 for p in range(first, L)])
+            store.kv_rows(layer)[store.rows(rid, layer, pos)] = vals[:, None, None, None]
+
+
+def _check_content(store, rid: str, prompt: list[int], upto: int) -> None:
+    """Rows the request may read below `upto` hold its own tokens: nothing stale was handed out."""
+    for key in store.keys:
+        if key.owner != "target":
+            continue
+        for layer in store.routing.layers_of(key):
+            first = 0 if key.kind == FULL else max(store.first_resident(rid, layer), upto - W + 1, 0)
+            pos = torch.arange(first, upto)
+            want = torch.tensor([prompt[p] + p / 1000 for p in range(first, upto)])
+            got = store.kv_rows(layer)[store.rows(rid, layer, pos)][:, 0, 0, 0]
+            assert torch.equal(got, want), (key.name, layer)
+
+
+turns_st = st.lists(st.tuples(st.sampled_from(["extend", "repeat", "diverge", "new"]), st.integers(1, 3 * W),
+                              st.booleans()), min_size=1, max_size=25)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=turns_st, mode=st.sampled_from(["ring", "paged"]), entries=st.integers(1, 5), seed=st.integers(0, 99))
+def test_random_conversations_keep_the_cache_consistent(model, ops, mode, entries, seed):
+    rng = random.Random(seed)
+    store = KVStore(model.cfg, mode=mode, num_pages=40, page_size=PS, num_slots=4, max_draft_tokens=K)
+    cache = PrefixCache(store, entries, model.cfg.hidden_size)
+    hidden = torch.zeros(200, model.cfg.hidden_size)
+    history, live = [[1, 2, 3]], []
+    for n, (op, extra, keep) in enumerate(ops):
+        base = rng.choice(history)
+        prompt = {"extend": base + [rng.randrange(1, VOCAB) for _ in range(extra)], "repeat": list(base),
+                  "diverge": base[:max(1, len(base) - extra)] + [rng.randrange(1, VOCAB) for _ in range(extra)],
+                  "new": [rng.randrange(1, VOCAB) for _ in range(extra + 1)]}[op][:120]
+        rid = f"r{n}"
+        if len(live) == 4 or (live and not keep):
+            store.free(live.pop(0))
+        try:
+            hit = cache.allocate(rid, prompt)
+        except OutOfCapacity:
+            cache.check_integrity()
+            continue
+        start = hit.start if hit else 0
+        assert start < len(prompt)
+        if hit:
+            assert tuple(prompt[:start]) == hit.entry.tokens[:start]
+        _check_content(store, rid, prompt, start)  # what it starts from is its own prefix
+        _mark(store, rid, prompt, start)
+        cache.insert(rid, prompt, hidden[:len(prompt)], 0)
+        live.append(rid)
+        history.append(prompt)
+        cache.check_integrity()
+    for rid in live:
+        store.free(rid)
+    cache.reclaim()
+    cache.check_integrity()
+    assert store.pages.num_free == 40 and store.free_capacity().pages == 40
