@@ -44,7 +44,8 @@ def router_config(cfg: Config):
     r = cfg.router
     return RouterConfig(timeouts=RouterTimeouts(request_s=r.request_timeout_s, first_token_s=r.first_token_timeout_s,
                                                 idle_s=r.idle_timeout_s, control_s=r.control_timeout_s),
-                        max_in_flight=r.max_in_flight, max_queued=r.max_queued, max_queue_s=r.max_queue_s)
+                        max_in_flight=r.max_in_flight, max_queued=r.max_queued, max_queue_s=r.max_queue_s,
+                        prefix_affinity=r.prefix_affinity)
 
 
 async def _router(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:

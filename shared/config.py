@@ -97,6 +97,9 @@ class RouterSection:
     first_token_timeout_s: float = key(120.0, "admission to first token (prefill + transfer)", positive)
     idle_timeout_s: float = key(60.0, "silence between two chunks of a stream", positive)
     control_timeout_s: float = key(5.0, "one control round trip (reserve, release)", positive)
+    prefix_affinity: float = key(1.0, "weight of a prefill worker's cached prompt prefix against its queued tokens "
+                                      "when picking one (cost: queued + prompt - weight * overlap); 0: load only",
+                                 between(0))
 
 
 @dataclass(frozen=True)

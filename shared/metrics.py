@@ -47,6 +47,14 @@ class ServiceMetrics:
             self.transfer_seconds = Histogram("baton_transfer_seconds", "Per-request NIXL WRITE time",
                                               buckets=LATENCY_BUCKETS, registry=r)
             self.transfer_failures = Counter("baton_transfer_failures", "Failed or aborted transfers", registry=r)
+            self.prefix_lookups = Counter("baton_prefix_cache_lookups", "Prompts looked up in the prefix cache, by "
+                                          "result", ["result"], registry=r)
+            self.cached_tokens = Counter("baton_prefix_cache_tokens", "Prompt tokens taken from the prefix cache",
+                                         registry=r)
+            self.computed_tokens = Counter("baton_prefill_computed_tokens", "Prompt tokens computed", registry=r)
+            self.prefix_evictions = Counter("baton_prefix_cache_evictions", "Prefix cache entries evicted", registry=r)
+            self.prefix_entries = Gauge("baton_prefix_cache_entries", "Prompt ends held by the prefix cache",
+                                        registry=r)
         if role == "decode":
             self.active = Gauge("baton_decode_active", "Requests in the decode batch", registry=r)
             self.step_seconds = Histogram("baton_decode_step_seconds", "One batched decode step",

@@ -96,6 +96,7 @@ def test_several_prefill_and_decode_workers_share_requests_exactly():
     with running_cluster(prefill=2, decode=2, worker_args=["--kv-mode", "paged", "--transfer-threads", "2"]) as cluster:
         batch = prompts(8) * 2
         check_exact(batch, asyncio.run(generate_all(cluster.nats_url, batch)), 3)
+        check_conversation(asyncio.run(converse(cluster.nats_url)), 3)  # each turn finds the prefill holding the last
         loads = asyncio.run(wait_all_free(cluster.nats_url, min_requests=len(batch) + 1))  # + the warm-up
         served = {role: [v[6] for v in loads.values() if v[0] == role] for role in ("prefill", "decode")}
         assert len(served["decode"]) == 2 and all(n > 0 for n in served["decode"]), served

@@ -59,3 +59,23 @@ def test_an_older_lookup_answering_late_does_not_overwrite_a_newer_view():
         await periodic
         assert sorted(directory.workers) == ["d0", "p0"]
     asyncio.run(run())
+
+
+def test_a_worker_that_leaves_drops_out_of_the_prefix_record_at_once():
+    async def run():
+        registry = Registry()
+        directory = Directory(registry)
+        refresh = asyncio.create_task(directory.refresh())
+        await asyncio.sleep(0)
+        registry.answer(0, [info("p0", "prefill"), info("p1", "prefill")])
+        await refresh
+        prompt = list(range(64))
+        directory.affinity.record(prompt, "p0")
+        directory.affinity.record(list(range(100, 132)), "p1")
+        assert directory.affinity.overlap(prompt + [7]) == {"p0": 64}
+        refresh = asyncio.create_task(directory.refresh())  # the registry no longer lists p0
+        await asyncio.sleep(0)
+        registry.answer(1, [info("p1", "prefill")])
+        await refresh
+        assert directory.affinity.overlap(prompt + [7]) == {} and len(directory.affinity) == 2
+    asyncio.run(run())

@@ -7,6 +7,7 @@ import pytest
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import PrefillDone, SamplingParams, TokenChunk
 from baton.proto.public import Logprobs, SpecStats, Timing
+from baton.services.router.affinity import PrefixAffinity
 from baton.services.router.flow import AttemptLost, DecodeLost, Flow, NoCapacity, RouterTimeouts, continued
 
 pytestmark = pytest.mark.unit
@@ -164,6 +165,7 @@ class Prefills:
         self.workers = [SimpleNamespace(registration=SimpleNamespace(worker_id=w, role="prefill"),
                                         load=SimpleNamespace(queued_prompt_tokens=q, draining=d))
                         for w, (q, d) in queued_and_draining.items()]
+        self.affinity = PrefixAffinity()
 
     def of_role(self, role: str) -> list:
         return self.workers
@@ -181,3 +183,16 @@ def test_a_draining_prefill_is_never_picked_even_when_least_loaded():
         f._pick_prefill(f.directory.of_role("prefill"))
     with pytest.raises(NoCapacity):
         f._pick_prefill([])
+
+
+def test_a_follow_up_turn_goes_to_the_prefill_that_holds_its_prefix_unless_its_queue_outweighs_it():
+    turn1 = list(range(1, 97))
+    f = Flow(None, Prefills(a=(0, False), b=(0, False)), None, RouterTimeouts(), "r", turn1, 4, SamplingParams(), None)
+    first = f._pick_prefill(f.directory.of_role("prefill"))
+    other = "b" if first == "a" else "a"
+    f.token_ids = turn1 + [5] * 40  # the next turn
+    assert f._pick_prefill(f.directory.of_role("prefill")) == first
+    f.directory.workers = [w for w in f.directory.workers if w.registration.worker_id == other] + [
+        SimpleNamespace(registration=SimpleNamespace(worker_id=first, role="prefill"),
+                        load=SimpleNamespace(queued_prompt_tokens=1000, draining=False))]
+    assert f._pick_prefill(f.directory.of_role("prefill")) == other  # 1000 queued tokens outweigh 96 cached

@@ -63,6 +63,7 @@ class PrefillWorker:
         self.send_draft = send_draft
         self.cache = (PrefixCache(self.store, config.prefix_cache, self.model.cfg.hidden_size)
                       if config.prefix_cache else None)
+        self._evictions_counted = 0  # of cache.evictions, those in the metrics already
         self.manifest = self.store.manifest(config.worker_id, fingerprint(config.model), role="prefill")
         self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=peer_lookup(bus),
                                    copy_threads=config.transfer_threads)
@@ -256,11 +257,17 @@ class PrefillWorker:
         """Engine thread: a hit's cached hidden rows join the computed ones; the prompt's end is
         cached in turn."""
         job.cached_tokens = hit.start if hit else 0
+        self.metrics.computed_tokens.inc(len(seq.prompt) - job.cached_tokens)
         if hit is not None:
             rows, first = hit.hidden(self.cache)
             out.hidden, out.hidden_start = torch.cat((rows, out.hidden)), first
+            self.metrics.cached_tokens.inc(hit.start)
         if self.cache is not None:
+            self.metrics.prefix_lookups.labels("hit" if hit else "miss").inc()
             self.cache.insert(seq.request_id, seq.prompt, out.hidden, out.hidden_start)
+            self.metrics.prefix_evictions.inc(self.cache.evictions - self._evictions_counted)
+            self._evictions_counted = self.cache.evictions
+            self.metrics.prefix_entries.set(len(self.cache))
 
     def _fill_draft_windows(self, targeted: list[tuple[Sequence, PrefillOutput, Target]]) -> None:
         """Engine thread: the draft windows that travel, for the whole batch in one forward."""

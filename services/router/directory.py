@@ -16,12 +16,15 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import LookupReply, LookupRequest, PlanReply, PlanRequest, WorkerEvent, WorkerInfo
 from baton.shared.bus import Bus
 
+from .affinity import PrefixAffinity
+
 log = logging.getLogger("baton.router.directory")
 
 
 class Directory:
-    def __init__(self, bus: Bus, refresh_s: float = 0.5) -> None:
+    def __init__(self, bus: Bus, affinity: PrefixAffinity | None = None, refresh_s: float = 0.5) -> None:
         self.bus, self.refresh_s = bus, refresh_s
+        self.affinity = affinity or PrefixAffinity()  # which prefill worker was sent which prompt prefix
         self.workers: dict[str, WorkerInfo] = {}
         self._plans: dict[tuple[str, str], dict] = {}
         self._outstanding: dict[str, int] = {}  # in flight from this router: prompt tokens per prefill, requests per decode
@@ -101,6 +104,7 @@ class Directory:
 
     def _forget(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
+        self.affinity.forget(worker_id)
         self._plans = {k: v for k, v in self._plans.items() if worker_id not in k}
 
     async def _on_event(self, msg) -> None:

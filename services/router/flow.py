@@ -240,7 +240,12 @@ class Flow:
             log.info("request %s waits: %s", self.request_id, "no prefill worker is registered" if not registered
                      else f"all {len(registered)} prefill workers are stopping")
             raise NoCapacity()
-        best = min(workers, key=lambda w: (w.load.queued_prompt_tokens + self.directory.outstanding(w.registration.worker_id)))
+        affinity = self.directory.affinity
+        overlap = affinity.overlap(self.token_ids)
+        best = min(workers, key=lambda w: affinity.cost(
+            w.load.queued_prompt_tokens + self.directory.outstanding(w.registration.worker_id), len(self.token_ids),
+            overlap.get(w.registration.worker_id, 0)))
+        affinity.record(self.token_ids, best.registration.worker_id)
         return best.registration.worker_id
 
     async def _reserve(self, prefill_id: str) -> tuple[ReserveReply, dict]:

@@ -24,6 +24,7 @@ from baton.shared.model.tokenizer import TextTokenizer
 from baton.shared.metrics import ServiceMetrics, log_request
 
 from .admission import AdmissionQueue
+from .affinity import PrefixAffinity
 from .directory import Directory
 from .flow import Flow, RouterTimeouts
 from .tokens import TokenInbox
@@ -40,12 +41,13 @@ class RouterConfig:
     max_in_flight: int = 1024  # requests this router drives at once; beyond: busy
     max_queued: int = 512  # requests waiting for capacity (admission.py); beyond: busy
     max_queue_s: float = 120.0  # longest wait in the queue; then: timeout
+    prefix_affinity: float = 1.0  # weight of a prefill worker's cached prefix (affinity.py); 0: load only
 
 
 class Router:
     def __init__(self, bus: Bus, model: ModelConfig, tokenizer: TextTokenizer, config: RouterConfig) -> None:
         self.bus, self.model, self.tokenizer, self.config = bus, model, tokenizer, config
-        self.directory = Directory(bus)
+        self.directory = Directory(bus, PrefixAffinity(config.prefix_affinity))
         self.directory.on_left = self._worker_left
         self.directory.on_refresh = lambda: self.admission.wake()  # a worker that joined admits who waits
         self.tokens = TokenInbox(bus)
