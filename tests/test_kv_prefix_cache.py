@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from baton.shared.engine.runner import ModelRunner, SpecConfig
 from baton.shared.engine.sequence import Sequence
 from baton.shared.kv.allocator import OutOfCapacity
+from baton.shared.kv.budget import prefix_cache_bytes
 from baton.shared.kv.prefix_cache import PrefixCache
 from baton.shared.kv.routing import FULL
 from baton.shared.kv.store import KVStore
@@ -46,7 +47,7 @@ def prefill(store, runner, cache, rid: str, prompt: list[int], reserve: int):
         rows, first = hit.hidden(cache)
         out.hidden, out.hidden_start = torch.cat((rows, out.hidden)), first
     if cache is not None:
-        cache.insert(rid, prompt, out.hidden, out.hidden_start)
+        cache.insert(rid, prompt, out.hidden, out.hidden_start, hit)
     runner.fill_draft_windows([seq], [out])
     return seq, out, hit
 
@@ -112,6 +113,11 @@ def test_a_prompt_started_from_the_cache_leaves_the_state_of_a_full_prefill(mode
     # one cut a token short start one position before its end; the diverging one starts from the
     # longest turn it still extends
     assert starts == [0, *lengths[:4], lengths[5] - 1, lengths[6] - 1, lengths[1]], starts
+
+
+def test_the_snapshot_pool_is_what_the_budget_counts(model):
+    store, _, cache = parts(model, "paged", cache=5)
+    assert cache.nbytes() == prefix_cache_bytes(model.cfg, 5, K, store.dtype)
 
 
 def test_prompt_logprobs_need_the_whole_prompt(model):
@@ -202,7 +208,7 @@ def test_random_conversations_keep_the_cache_consistent(model, ops, mode, entrie
             assert tuple(prompt[:start]) == hit.entry.tokens[:start]
         _check_content(store, rid, prompt, start)  # what it starts from is its own prefix
         _mark(store, rid, prompt, start)
-        cache.insert(rid, prompt, hidden[:len(prompt)], 0)
+        cache.insert(rid, prompt, hidden[:len(prompt)], 0, hit)
         live.append(rid)
         history.append(prompt)
         cache.check_integrity()
@@ -211,3 +217,16 @@ def test_random_conversations_keep_the_cache_consistent(model, ops, mode, entrie
     cache.reclaim()
     cache.check_integrity()
     assert store.pages.num_free == 40 and store.free_capacity().pages == 40
+
+
+def test_a_turn_whose_next_turn_is_cached_goes_first_when_slots_run_out(model):
+    store, runner, cache = parts(model, "ring", cache=2)
+    one, two = conversation(4), conversation(5)
+    for rid, prompt in (("a1", one[0]), ("b1", two[0]), ("a2", one[1])):  # a2 extends a1: a1 goes, not b1
+        prefill(store, runner, cache, rid, prompt, len(prompt))
+        store.free(rid)
+    assert sorted(len(e.tokens) for e in cache._lru.values()) == sorted([len(two[0]), len(one[1])])
+    _, _, hit = prefill(store, runner, cache, "b2", two[1], len(two[1]))
+    assert hit is not None and hit.start == len(two[0])
+    store.free("b2")
+    cache.check_integrity()

@@ -264,7 +264,7 @@ class PrefillWorker:
             self.metrics.cached_tokens.inc(hit.start)
         if self.cache is not None:
             self.metrics.prefix_lookups.labels("hit" if hit else "miss").inc()
-            self.cache.insert(seq.request_id, seq.prompt, out.hidden, out.hidden_start)
+            self.cache.insert(seq.request_id, seq.prompt, out.hidden, out.hidden_start, hit)
             self.metrics.prefix_evictions.inc(self.cache.evictions - self._evictions_counted)
             self._evictions_counted = self.cache.evictions
             self.metrics.prefix_entries.set(len(self.cache))

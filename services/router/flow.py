@@ -110,6 +110,7 @@ class Flow:
         self._prefilled = False
         self._avoid: set[str] = set()  # workers of a failed attempt, skipped by the retry when possible
         self._held: dict[str, int] = {}  # load this flow counts against workers in the directory
+        self._prefill_work = len(token_ids)  # prompt tokens the picked prefill should compute (its cache has the rest)
         self._attempts = 0  # attempts after the first (a retry, or a wait after decode had no room)
         self.workers: dict[str, str] = {}  # id -> role of every worker asked, hidden from the client
 
@@ -224,7 +225,7 @@ class Flow:
         self.stream_subject = self.token_inbox.open(self.events)
         self.prefill_id = self._pick_prefill(await self.directory.known("prefill"))
         self.workers[self.prefill_id] = "prefill"
-        self._hold(self.prefill_id, len(self.token_ids))  # counted now, so concurrent picks spread out
+        self._hold(self.prefill_id, self._prefill_work)  # counted now, so concurrent picks spread out
         self._tasks.append(asyncio.create_task(self._prefill(self.prefill_id), name=f"prefill {self.request_id}"))
         await asyncio.sleep(0)  # the dispatch (the critical path) goes out before the reservation
         reservation, plan = await self._reserve(self.prefill_id)
@@ -245,8 +246,10 @@ class Flow:
         best = min(workers, key=lambda w: affinity.cost(
             w.load.queued_prompt_tokens + self.directory.outstanding(w.registration.worker_id), len(self.token_ids),
             overlap.get(w.registration.worker_id, 0)))
-        affinity.record(self.token_ids, best.registration.worker_id)
-        return best.registration.worker_id
+        chosen = best.registration.worker_id
+        affinity.record(self.token_ids, chosen)
+        self._prefill_work = len(self.token_ids) - overlap.get(chosen, 0)  # tokens it should compute
+        return chosen
 
     async def _reserve(self, prefill_id: str) -> tuple[ReserveReply, dict]:
         decodes = sorted(self._prefer_others(await self.directory.known("decode")),  # free slots first, then least loaded

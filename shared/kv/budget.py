@@ -90,6 +90,14 @@ def sliding_bytes_per_slot(cfg: ModelConfig, mode: str, page_size: int, max_draf
     return sliding * rows * kv_row_bytes(cfg, dtype)
 
 
+def prefix_cache_bytes(cfg: ModelConfig, entries: int, max_draft_tokens: int, dtype: Dtype) -> int:
+    """The prefix cache's snapshot slots (prefix_cache.py): per entry, the target's sliding layers'
+    K/V and the hidden states (float32) of `span` positions. Its pages are the store's."""
+    _, target_sliding = layer_counts(cfg, "ring", draft_enabled=False)
+    span = sliding_span(cfg, max_draft_tokens)
+    return entries * span * (target_sliding * kv_row_bytes(cfg, dtype) + cfg.hidden_size * 4)
+
+
 @dataclass(frozen=True)
 class Capacity:
     num_pages: int

@@ -19,9 +19,12 @@ window, which in paged mode must be its own pages) and copies the pages from the
 are exact by construction: the tokens are compared in full, positions are the same, and a cache
 belongs to one worker and so one model.
 
-Eviction is LRU, when an insert finds every snapshot slot taken or an allocation lacks pages
-(`reclaim`); an evicted entry unpins its pages, and a page goes back to the pool only once no
-request holds it either (a WRITE in flight reads from a request's own holding). Engine thread only.
+Eviction, when an insert finds every snapshot slot taken or an allocation lacks pages: the least
+recently used entry that a later prompt extended from its very end (the previous turn of a
+conversation whose next turn is cached: it only serves a regenerated or edited turn, and most
+of its pages stay pinned by the newer entry), else the least recently used one. An evicted entry
+unpins its pages, and a page goes back to the pool only once no request holds it either (a WRITE
+in flight reads from a request's own holding). Engine thread only.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ class Entry:
     pages: list[int]  # its FULL pages, pinned
     slot: int  # snapshot slot: sliding K/V and hidden rows of positions lo .. P0-1
     lo: int  # max(0, P0 - span)
+    extended: bool = False  # a later prompt started from its very end (the conversation's next turn)
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class PrefixCache:
         return len(self._lru)
 
     def nbytes(self) -> int:
+        """The snapshot pool's bytes (budget.prefix_cache_bytes); its pages are the store's."""
         return sum(t.numel() * t.element_size() for t in (self.kv, self.hidden))
 
     # --- lookup -------------------------------------------------------------------------------
@@ -139,9 +144,13 @@ class PrefixCache:
             rows[store.rows(request_id, layer, positions)] = self.kv[entry.slot, i, lo - entry.lo:start - entry.lo]
 
     # --- after a prompt is computed (engine thread) ---------------------------------------------
-    def insert(self, request_id: str, prompt: list[int], hidden: torch.Tensor, hidden_start: int) -> None:
+    def insert(self, request_id: str, prompt: list[int], hidden: torch.Tensor, hidden_start: int,
+               hit: Hit | None = None) -> None:
         """Keep the end of this computed prompt; `hidden` [L - hidden_start, d] its target hidden
-        states from position hidden_start on (they must cover the last `span` positions)."""
+        states from position hidden_start on (they must cover the last `span` positions); `hit`:
+        where the prompt started from."""
+        if hit is not None and hit.start == len(hit.entry.tokens):
+            hit.entry.extended = True
         tokens = tuple(prompt)
         P0 = len(tokens)
         lo = max(0, P0 - self.span)
@@ -173,12 +182,12 @@ class PrefixCache:
         return n
 
     def _evict_one(self, keep: Entry | None = None) -> bool:
-        """Drop the least recently used entry but `keep`; False if there is none."""
-        for key, entry in self._lru.items():
-            if entry is not keep:
-                break
-        else:
+        """Drop the least recently used extended entry, else the least recently used one, but
+        never `keep`; False if there is none."""
+        candidates = [(k, e) for k, e in self._lru.items() if e is not keep]
+        if not candidates:
             return False
+        key, entry = next(((k, e) for k, e in candidates if e.extended), candidates[0])
         del self._lru[key]
         keyed = self._index[self._key(entry.tokens)]
         keyed.remove(entry)
