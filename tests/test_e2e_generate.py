@@ -227,7 +227,7 @@ def test_ignore_eos_runs_every_request_to_max_tokens(cluster):
 
 def test_prompts_far_over_the_context_are_refused_untokenized_while_others_are_served(cluster):
     """64 prompts at the character limit (each ~100k tokens) against a small request sent among
-    them: each huge one is refused by the cheap bound (no tokenizing on the router's loop), and
+    them: each huge one is refused as too_large by the cheap bound (no tokenizing), and
     the small one is answered exactly as when it runs alone."""
     huge = ("To be, or not to be, that is the question. " * 12_000)[:1 << 19]
     small = dict(prompt="Good morrow, my lord.", max_tokens=8)
@@ -247,7 +247,7 @@ def test_prompts_far_over_the_context_are_refused_untokenized_while_others_are_s
                   f"{asyncio.get_running_loop().time() - started:.2f} s")
             return errors, reply
     errors, reply = asyncio.run(run())
-    assert {(e.code.value, "at least" in str(e)) for e in errors} == {("bad_request", True)}
+    assert {(e.code.value, "at least" in str(e)) for e in errors} == {("too_large", True)}
     alone = asyncio.run(generate(cluster.nats_url, **small))
     assert (reply.token_ids, reply.text, reply.finish_reason) == (alone.token_ids, alone.text, alone.finish_reason)
 

@@ -150,9 +150,14 @@ class Router:
         return req, request_id, ids
 
     def _check_context(self, prompt_tokens: int, max_tokens: int, bound: str = "") -> None:
-        """A 400 over HTTP, as OpenAI-compatible servers answer. With `bound` "at least ", the count
-        is the tokenizer's cheap lower bound: a prompt far too long is refused before tokenizing."""
+        """A prompt that alone fills the model's context is `too_large` (HTTP 413); one that fits
+        but leaves too little room for max_tokens is `bad_request` (400). With `bound` "at least ",
+        the count is the tokenizer's cheap lower bound: a prompt far too long is refused before
+        tokenizing."""
         context = self.model.max_position_embeddings
+        if prompt_tokens >= context:
+            raise BatonError(ErrorCode.TOO_LARGE, f"prompt ({bound}{prompt_tokens} tokens) does not fit the model's "
+                             f"context of {context} tokens")
         if prompt_tokens + max_tokens > context:
             raise bad_request(f"prompt ({bound}{prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                               f"context of {context} tokens")
