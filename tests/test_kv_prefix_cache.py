@@ -28,21 +28,26 @@ def model():
     return tiny_model(VOCAB, window=W)
 
 
-def parts(model, mode: str, cache: int, pages: int = 300):
+def parts(model, mode: str, cache: int, pages: int = 300, chunk: int = 5):
     store = KVStore(model.cfg, mode=mode, num_pages=pages, page_size=PS, num_slots=8, max_draft_tokens=K)
-    runner = ModelRunner(model, store, SpecConfig(True, K, "transfer"), prefill_chunk=5)
+    runner = ModelRunner(model, store, SpecConfig(True, K, "transfer"), prefill_chunk=chunk)
     return store, runner, PrefixCache(store, cache, model.cfg.hidden_size) if cache else None
 
 
-def prefill(store, runner, cache, rid: str, prompt: list[int], reserve: int):
-    """What the prefill service does: allocate (from the cache), prefill, cache the end, draft window."""
+def prefill(store, runner, cache, rid: str, prompt: list[int], reserve: int, boundaries: bool = False):
+    """What the prefill service does: allocate (from the cache), prefill (caching chunk ends when
+    `boundaries`), cache the end, draft window."""
     seq = Sequence(rid, list(prompt), 1)
     hit = None
     if cache is not None:
         hit = cache.allocate(rid, prompt, num_tokens=reserve)
     else:
         store.allocate(rid, reserve)
-    [out] = runner.prefill([seq], [hit.start if hit else 0])
+
+    def on_chunk(i, end, hidden):
+        rows, first = hit.hidden(cache) if hit else (hidden[:0], hit.start if hit else 0)
+        cache.insert(rid, prompt[:end], torch.cat((rows, hidden)), first, boundary=True)
+    [out] = runner.prefill([seq], [hit.start if hit else 0], on_chunk if boundaries and cache is not None else None)
     if hit:
         rows, first = hit.hidden(cache)
         out.hidden, out.hidden_start = torch.cat((rows, out.hidden)), first
@@ -113,6 +118,33 @@ def test_a_prompt_started_from_the_cache_leaves_the_state_of_a_full_prefill(mode
     # one cut a token short start one position before its end; the diverging one starts from the
     # longest turn it still extends
     assert starts == [0, *lengths[:4], lengths[5] - 1, lengths[6] - 1, lengths[1]], starts
+
+
+@pytest.mark.parametrize("mode", ["ring", "paged"])
+def test_a_prompt_sharing_only_the_first_chunks_of_another_starts_at_their_end(model, mode):
+    """Two conversations with the same long system prompt: the second starts at the last chunk
+    boundary of the first that it shares, and ends in the state of a full prefill."""
+    cached, cold = parts(model, mode, cache=16, chunk=16), parts(model, mode, cache=0, chunk=16)
+    rng = random.Random(9)
+    system = [rng.randrange(1, VOCAB) for _ in range(35)]
+    first, second = (system + [rng.randrange(1, VOCAB) for _ in range(n)] for n in (12, 20))
+    for rid, prompt, start in (("a", first, 0), ("b", second, 32)):  # chunks of 16: boundaries 16, 32
+        seq, out, hit = prefill(*cached, rid, prompt, len(prompt) + 12, boundaries=True)
+        ref_seq, ref, _ = prefill(*cold, rid, prompt, len(prompt) + 12)
+        assert (hit.start if hit else 0) == start
+        assert out.first_token == ref.first_token
+        got, want = state(cached[0], rid, len(prompt)), state(cold[0], rid, len(prompt))
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"{rid} {name}")
+        for (store, runner, _), s, o in ((cached, seq, out), (cold, ref_seq, ref)):
+            s.max_tokens = 9
+            runner.start_decode(s, o.first_token, o.hidden[-1:], "transfer")
+            while s.finish_reason is None:
+                runner.step([s])
+            store.free(rid)
+        assert seq.output == ref_seq.output == dense_greedy(model, prompt, 9)
+        cached[2].check_integrity()
+    assert sorted(len(e.tokens) for e in cached[2]._lru.values()) == [16, 32, len(first), 48, len(second)]
 
 
 def test_the_snapshot_pool_is_what_the_budget_counts(model):

@@ -233,7 +233,8 @@ class PrefillWorker:
             seqs.append((job, Sequence(d.request_id, list(d.token_ids), 1, params,
                                        prompt_logprobs=d.sampling.prompt_logprobs,
                                        output_in_prompt=d.sampling.output_in_prompt)))
-        outputs = self.runner.prefill([s for _, s in seqs], [h.start if h else 0 for h in hits]) if seqs else []
+        starts = [h.start if h else 0 for h in hits]
+        outputs = self.runner.prefill([s for _, s in seqs], starts, self._chunk_boundary(seqs, hits)) if seqs else []
         for (job, seq), out, hit in zip(seqs, outputs, hits):
             self._cached(job, seq, out, hit)
         targets = [job.target for job, _ in seqs]  # set on the loop thread; read once here
@@ -252,6 +253,20 @@ class PrefillWorker:
             self.store.allocate(d.request_id, len(d.token_ids))
             return None
         return self.cache.allocate(d.request_id, list(d.token_ids), use=d.sampling.prompt_logprobs is None)
+
+    def _chunk_boundary(self, seqs: list[tuple[Job, Sequence]], hits: list[Hit | None]):
+        """Engine thread: cache the end of each prefill chunk inside a prompt (a later prompt that
+        shares only its beginning starts there)."""
+        if self.cache is None:
+            return None
+
+        def on_chunk(i: int, end: int, hidden: torch.Tensor) -> None:
+            seq, hit, first = seqs[i][1], hits[i], hits[i].start if hits[i] else 0
+            if hit is not None:
+                rows, first = hit.hidden(self.cache)
+                hidden = torch.cat((rows, hidden))
+            self.cache.insert(seq.request_id, seq.prompt[:end], hidden, first, boundary=True)
+        return on_chunk
 
     def _cached(self, job: Job, seq: Sequence, out: PrefillOutput, hit: Hit | None) -> None:
         """Engine thread: a hit's cached hidden rows join the computed ones; the prompt's end is

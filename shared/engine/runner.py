@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Callable
 
 import torch
 
@@ -79,11 +80,13 @@ class ModelRunner:
 
     # --- prefill --------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], starts: list[int] | None = None) -> list[PrefillOutput]:
+    def prefill(self, seqs: list[Sequence], starts: list[int] | None = None,
+                on_chunk: Callable[[int, int, torch.Tensor], None] | None = None) -> list[PrefillOutput]:
         """Fill target KV for each prompt (chunked, batched) and sample each first token.
         `starts`: the position each prompt's computation starts from (0 by default); the store
         holds the positions below already (a prefix cache hit), and the hidden states returned
-        begin there."""
+        begin there. `on_chunk(i, end, hidden)`: after each chunk that ends inside prompt i, with
+        its hidden states so far ([end - start, d]); sliding storage then holds the chunk's end."""
         hidden = [[] for _ in seqs]
         starts = starts or [0] * len(seqs)
         if any(start and s.prompt_logprobs is not None for s, start in zip(seqs, starts)):
@@ -98,6 +101,8 @@ class ModelRunner:
             for i, c, h in zip(active, chunks, out):
                 hidden[i].append(h)
                 done[i] += c.n
+                if on_chunk is not None and done[i] < len(seqs[i].prompt):
+                    on_chunk(i, done[i], torch.cat(hidden[i]))
         hidden = [torch.cat(h) for h in hidden]
         last = self.model.logits(torch.stack([h[-1] for h in hidden]))  # [B, V]
         first = BatchSampling(seqs, self.vocab, device=self.device).choose(self._penalised(seqs, last)).tolist()

@@ -2,7 +2,9 @@
 extends one of them (the next turn of a conversation, the same prompt again) computes only its
 new positions.
 
-An entry is the end of one computed prompt of P0 tokens (docs/kv_state.md, "Prefix cache"):
+An entry is the end of one computed prompt of P0 tokens, or of one prefill chunk inside a prompt
+(a boundary: there sliding storage holds the same positions; it lets prompts that share only the
+first chunks, e.g. a long system prompt, start there) (docs/kv_state.md, "Prefix cache"):
     pages     its FULL pages, pinned in the KVStore (`KVStore.pin`) and shared, never written, by
               every request that starts from it
     sliding   the target's sliding layers' K/V of its last `span` positions, and
@@ -44,7 +46,7 @@ class Entry:
     pages: list[int]  # its FULL pages, pinned
     slot: int  # snapshot slot: sliding K/V and hidden rows of positions lo .. P0-1
     lo: int  # max(0, P0 - span)
-    extended: bool = False  # a later prompt started from its very end (the conversation's next turn)
+    extended: bool = False  # a later prompt continues it: the next turn, or (a chunk boundary) its own prompt
 
 
 @dataclass(frozen=True)
@@ -145,10 +147,10 @@ class PrefixCache:
 
     # --- after a prompt is computed (engine thread) ---------------------------------------------
     def insert(self, request_id: str, prompt: list[int], hidden: torch.Tensor, hidden_start: int,
-               hit: Hit | None = None) -> None:
-        """Keep the end of this computed prompt; `hidden` [L - hidden_start, d] its target hidden
-        states from position hidden_start on (they must cover the last `span` positions); `hit`:
-        where the prompt started from."""
+               hit: Hit | None = None, boundary: bool = False) -> None:
+        """Keep the end of this computed prompt (`boundary`: of a chunk of it, `prompt` its tokens so
+        far); `hidden` [L - hidden_start, d] its target hidden states from position hidden_start on
+        (they must cover the last `span` positions); `hit`: where the prompt started from."""
         if hit is not None and hit.start == len(hit.entry.tokens):
             hit.entry.extended = True
         tokens = tuple(prompt)
@@ -164,7 +166,7 @@ class PrefixCache:
             self._evict_one()
         pages = self.store.request(request_id).pages[:-(-P0 // self.ps)]
         self.store.pin(pages)
-        entry = Entry(tokens, pages, self.slots.take(1)[0], lo)
+        entry = Entry(tokens, pages, self.slots.take(1)[0], lo, extended=boundary)
         positions = torch.arange(lo, P0, device=self.store.device)
         for i, layer in enumerate(self.sliding):
             rows = self.store.kv_rows(layer)
