@@ -88,31 +88,36 @@ def conversation(seed: int) -> list[list[int]]:
     return turns
 
 
+def same_as_a_full_prefill(model, cached, cold, rid: str, prompt: list[int], boundaries: bool = False) -> int:
+    """Prefill `prompt` through the cache and cold: the same first token, hidden rows the draft
+    window and aux rows read, and state; then the same greedy tokens as the dense reference.
+    Returns where the cached one started."""
+    L = len(prompt)
+    seq, out, hit = prefill(*cached, rid, prompt, L + 20, boundaries)
+    ref_seq, ref, _ = prefill(*cold, rid, prompt, L + 20)
+    assert out.first_token == ref.first_token
+    torch.testing.assert_close(out.hidden[-W:], ref.hidden[-W:], rtol=1e-5, atol=1e-5)
+    got, want = state(cached[0], rid, L), state(cold[0], rid, L)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"{rid} {name}")
+    for (store, runner, _), s, o in ((cached, seq, out), (cold, ref_seq, ref)):
+        s.max_tokens = 9
+        runner.start_decode(s, o.first_token, o.hidden[-1:], "transfer")
+        while s.finish_reason is None:
+            runner.step([s])
+        store.free(rid)
+        store.check_integrity()
+    assert seq.output == ref_seq.output == dense_greedy(model, prompt, 9)
+    cached[2].check_integrity()
+    return hit.start if hit else 0
+
+
 @pytest.mark.parametrize("mode", ["ring", "paged"])
 def test_a_prompt_started_from_the_cache_leaves_the_state_of_a_full_prefill(model, mode):
     cached, cold = parts(model, mode, cache=16), parts(model, mode, cache=0)
     starts = []
     for t, prompt in enumerate(conversation(1)):
-        L = len(prompt)
-        seq, out, hit = prefill(*cached, f"c{t}", prompt, L + 20)
-        ref_seq, ref, _ = prefill(*cold, f"r{t}", prompt, L + 20)
-        starts.append(hit.start if hit else 0)
-        assert out.first_token == ref.first_token
-        torch.testing.assert_close(out.hidden[-W:], ref.hidden[-W:], rtol=1e-5, atol=1e-5)  # what the draft window and aux rows read
-        got, want = state(cached[0], f"c{t}", L), state(cold[0], f"r{t}", L)
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"turn {t} {name}")
-        # and decoding on from there gives the reference's tokens
-        for (store, runner, _), s, o in ((cached, seq, out), (cold, ref_seq, ref)):
-            s.max_tokens = 9
-            runner.start_decode(s, o.first_token, o.hidden[-1:], "transfer")
-            while s.finish_reason is None:
-                runner.step([s])
-        assert seq.output == ref_seq.output == dense_greedy(model, prompt, 9)
-        for store, _, cache in (cached, cold):
-            store.free(f"c{t}" if cache is not None else f"r{t}")
-            store.check_integrity()
-        cached[2].check_integrity()
+        starts.append(same_as_a_full_prefill(model, cached, cold, f"t{t}", prompt))
     lengths = [len(p) for p in conversation(1)]
     # turn 0 misses; each extension starts from the previous turn's end; the same prompt again and
     # one cut a token short start one position before its end; the diverging one starts from the
@@ -129,21 +134,7 @@ def test_a_prompt_sharing_only_the_first_chunks_of_another_starts_at_their_end(m
     system = [rng.randrange(1, VOCAB) for _ in range(35)]
     first, second = (system + [rng.randrange(1, VOCAB) for _ in range(n)] for n in (12, 20))
     for rid, prompt, start in (("a", first, 0), ("b", second, 32)):  # chunks of 16: boundaries 16, 32
-        seq, out, hit = prefill(*cached, rid, prompt, len(prompt) + 12, boundaries=True)
-        ref_seq, ref, _ = prefill(*cold, rid, prompt, len(prompt) + 12)
-        assert (hit.start if hit else 0) == start
-        assert out.first_token == ref.first_token
-        got, want = state(cached[0], rid, len(prompt)), state(cold[0], rid, len(prompt))
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"{rid} {name}")
-        for (store, runner, _), s, o in ((cached, seq, out), (cold, ref_seq, ref)):
-            s.max_tokens = 9
-            runner.start_decode(s, o.first_token, o.hidden[-1:], "transfer")
-            while s.finish_reason is None:
-                runner.step([s])
-            store.free(rid)
-        assert seq.output == ref_seq.output == dense_greedy(model, prompt, 9)
-        cached[2].check_integrity()
+        assert same_as_a_full_prefill(model, cached, cold, rid, prompt, boundaries=True) == start
     assert sorted(len(e.tokens) for e in cached[2]._lru.values()) == [16, 32, len(first), 48, len(second)]
 
 
