@@ -43,7 +43,7 @@ def test_unroll_equals_the_engines_chained_drafts():
     engine.store.allocate("r", engine.reservation(seq))
     with torch.inference_mode():
         outputs = engine.runner.prefill([seq])
-        engine.runner.fill_draft_windows([seq], [outputs[0].hidden])
+        engine.runner.fill_draft_windows([seq], [outputs[0]])
         engine.runner.start_decode(seq, outputs[0].first_token, outputs[0].hidden[-1:], "transfer")
     for _ in range(4):  # later steps start their chain after a catch-up over rejected positions
         committed, last = seq.prompt + seq.output, seq.length

@@ -5,6 +5,7 @@ Retry-After, naming no worker); a cancelled waiting request never reaches a work
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import aiohttp
 import openai
@@ -62,8 +63,9 @@ async def until_queued(cluster, n: int) -> None:
 
 
 def same(reply: GenerateReply) -> tuple:
-    """What must not depend on how the request was served: the whole reply but its id, timing and spec."""
-    return reply.token_ids, reply.text, reply.finish_reason, reply.usage
+    """What must not depend on how the request was served: the whole reply but its id, timing, spec
+    and how many prompt tokens prefill found in its prefix cache (a repeated prompt finds them)."""
+    return reply.token_ids, reply.text, reply.finish_reason, replace(reply.usage, cached_tokens=0)
 
 
 class Blockers:
