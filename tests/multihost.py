@@ -416,6 +416,23 @@ async def bucket_info(urls: list[str], bucket: str) -> dict:
         await nc.close()
 
 
+async def wait_bucket_current(urls: list[str], bucket: str, replicas: int, timeout_s: float = 60.0) -> dict:
+    """Until the bucket's stream has a leader and at least `replicas - 1` current followers (a
+    restarted server catches up first); returns bucket_info."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    info: dict | str = "no answer"
+    while True:
+        try:
+            info = await asyncio.wait_for(bucket_info(urls, bucket), 10)
+            if info["leader"] and sum(c for _, c in info["peers"]) >= replicas - 1:
+                return info
+        except Exception as exc:  # a server still starting, no leader yet
+            info = f"{type(exc).__name__}: {exc}"
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"bucket {bucket} not current on {replicas} replicas within {timeout_s:g} s: {info}")
+        await asyncio.sleep(0.25)
+
+
 # --- Baton services on hosts ------------------------------------------------------------------
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0"}
 

@@ -79,6 +79,7 @@ def healthy(baton):
         if proc.poll() is not None:
             baton.nats.start_server(host)
             baton.nats.wait_ready(host)
+    asyncio.run(multihost.wait_bucket_current(baton.nats.urls, BUCKET, 3))
     for role, proc in list(baton.procs.items()):
         if proc.poll() is not None:
             baton.start_role(role)
@@ -91,8 +92,23 @@ def healthy(baton):
 
 
 # --- clients -------------------------------------------------------------------------------------
-async def connect(baton) -> Bus:
-    return await Bus.connect(baton.nats.urls, "test-multihost", reconnect_wait_s=0.2)
+async def connect(baton, avoid: str | None = None) -> Bus:
+    """A client on the LAN with every server's URL (but `avoid`'s: a host about to be cut off)."""
+    urls = [baton.nats.url_of(h) for h in baton.net.hosts if h != avoid]
+    return await Bus.connect(urls, "test-multihost", reconnect_wait_s=0.2)
+
+
+async def worker_events(bus: Bus) -> list[tuple[float, str, str]]:
+    """(time.monotonic(), kind, worker id) of each worker event from now on."""
+    from baton.proto.codec import decode
+    from baton.proto.internal import WorkerEvent
+    got: list = []
+
+    async def on_event(msg) -> None:
+        event = decode(msg.data, WorkerEvent)
+        got.append((time.monotonic(), event.kind, event.worker_id))
+    await bus.subscribe(subjects.WORKER_EVENTS, on_event)
+    return got
 
 
 async def outcome(bus: Bus, prompt: list[int], stream: bool, max_tokens: int = MAX_TOKENS):
@@ -211,8 +227,17 @@ def test_greedy_across_hosts_equals_transformers(healthy, reference, mode):
     print(f"{mode}: {len(prompts)} prompts exact across hosts; bucket {bucket}; UCX over TCP {ucx}")
 
 
-# --- b. the NATS node decode is on, killed -----------------------------------------------------
-def test_nats_node_of_decode_killed_mid_load(healthy, reference):
+# --- b. the NATS node decode is on (or the one leading the registry's bucket), killed -----------
+async def _victim(baton, which: str) -> str:
+    if which == "decode-node":
+        return await until(lambda: asyncio.to_thread(baton.nats.server_of, "baton-decode"), 10,
+                           "decode's NATS connection found")
+    info = await multihost.wait_bucket_current(baton.nats.urls, BUCKET, 3)
+    return info["leader"].removeprefix("mh-")
+
+
+@pytest.mark.parametrize("which", ["decode-node", "bucket-leader"])
+def test_nats_node_killed_mid_load(healthy, reference, which):
     baton = healthy
     prompts = window_prompts()
     want = {i: w for i, w in enumerate(greedy_want(reference, prompts))}
@@ -220,8 +245,8 @@ def test_nats_node_of_decode_killed_mid_load(healthy, reference):
     async def run():
         async with await connect(baton) as bus:
             before = await registered(bus)
-            victim = await until(lambda: asyncio.to_thread(baton.nats.server_of, "baton-decode"), 10,
-                                 "decode's NATS connection found")
+            victim = await _victim(baton, which)
+            bucket_before = await multihost.wait_bucket_current(baton.nats.urls, BUCKET, 3)
             done: list = []
             total, in_flight = 12, 4
             task = asyncio.create_task(load(bus, prompts, total, in_flight, done))
@@ -234,8 +259,11 @@ def test_nats_node_of_decode_killed_mid_load(healthy, reference):
             moved_to = await asyncio.to_thread(baton.nats.server_of, "baton-decode")
             after = [await outcome(bus, p, stream=s) for p in prompts[:2] for s in (False, True)]
             await wait_all_free(baton.nats.urls, timeout_s=60)
-            return victim, before, back, done, after, answered_s, moved_to, killed_at, killed_wall
-    victim, before, back, done, after, answered_s, moved_to, killed_at, killed_wall = asyncio.run(run())
+            bucket_after = await multihost.wait_bucket_current(baton.nats.urls, BUCKET, 2)  # the dead one lags
+            return (victim, before, back, done, after, answered_s, moved_to, killed_wall, bucket_before,
+                    bucket_after)
+    (victim, before, back, done, after, answered_s, moved_to, killed_wall, bucket_before,
+     bucket_after) = asyncio.run(run())
     assert len(done) == 12
     assert [o for *_, o in done if silent(o)] == [], "requests that got no answer in time"
     errors, right, wrong = exact(done, {i: want[i % len(prompts)] for i in range(12)})
@@ -243,11 +271,13 @@ def test_nats_node_of_decode_killed_mid_load(healthy, reference):
     assert back == before, "the registry lost or changed its workers (state is in the replicated bucket)"
     assert moved_to is not None and moved_to != victim
     assert after == [want[i] for i in range(2) for _ in (False, True)]
+    assert bucket_after["replicas"] == 3 and bucket_after["leader"] != f"mh-{victim}", bucket_after
     reconnect = {r: reconnects_after(baton, r, killed_wall) for r in ("decode", "prefill", "router", "registry")}
-    print(f"killed nats on host {victim} (decode's); decode now on {moved_to}; "
+    print(f"{which}: killed nats on host {victim}; bucket leader {bucket_before['leader']} -> {bucket_after['leader']}; "
+          f"decode now on {moved_to}; "
           f"{len(right)} exact, {len(errors)} errors {[(e.code.value, e.message[:80]) for _, e in errors]}; "
           f"registry answered with both workers {answered_s:.2f} s after the kill; "
-          f"reconnects (s after kill): {reconnect}; bucket before {baton.bucket}")
+          f"reconnects (s after kill): {reconnect}")
 
 
 async def _async(value):
@@ -262,7 +292,10 @@ def test_decode_host_link_cut_15_s(healthy, reference):
     cut_s = 15.0
 
     async def run():
-        async with await connect(baton) as bus:
+        async with await connect(baton, avoid=baton.roles["decode"]) as bus:
+            events = await worker_events(bus)
+            decode_on = await asyncio.to_thread(baton.nats.server_of, "baton-decode")
+            prefill_on = await asyncio.to_thread(baton.nats.server_of, "baton-prefill")
             done: list = []
             total, in_flight = 8, 4
             task = asyncio.create_task(load(bus, prompts, total, in_flight, done))
@@ -281,14 +314,16 @@ def test_decode_host_link_cut_15_s(healthy, reference):
             serving_s = time.monotonic() - healed_at
             after = [await outcome(bus, p, stream=s) for p in prompts[:2] for s in (False, True)]
             loads = await wait_all_free(baton.nats.urls, timeout_s=90)
-            return done, after, ended_s, serving_s, loads, serving
-    done, after, ended_s, serving_s, loads, serving = asyncio.run(run())
+            seen = [(round(t - cut_at, 1), kind, worker) for t, kind, worker in events]
+            return done, after, ended_s, serving_s, loads, serving, seen, decode_on, prefill_on
+    done, after, ended_s, serving_s, loads, serving, seen, decode_on, prefill_on = asyncio.run(run())
     assert len(done) == 8
     assert [o for *_, o in done if silent(o)] == [], "requests that got no answer in time"
     errors, right, wrong = exact(done, {i: want[i % len(prompts)] for i in range(8)})
     assert wrong == [], "complete but not exact"
     assert after == [want[i] for i in range(2) for _ in (False, True)]
-    print(f"decode host cut {cut_s:g} s: {len(right)} exact, {len(errors)} errors "
+    print(f"decode host cut {cut_s:g} s (decode on nats {decode_on}, prefill on nats {prefill_on}; "
+          f"worker events, s after the cut: {seen}): {len(right)} exact, {len(errors)} errors "
           f"{[(e.code.value, e.message[:80]) for _, e in errors]}; load ended {ended_s:.1f} s after the cut; "
           f"first exact reply {serving_s:.1f} s after the heal (attempts {serving}); loads {loads}")
 
@@ -311,7 +346,8 @@ def test_prefill_host_killed_with_requests_in_flight(healthy, reference):
     host = baton.roles["prefill"]
 
     async def run():
-        async with await connect(baton) as bus:
+        async with await connect(baton, avoid=host) as bus:
+            events = await worker_events(bus)
             done: list = []
             total, in_flight = 12, 6
             task = asyncio.create_task(load(bus, prompts, total, in_flight, done))
@@ -323,15 +359,16 @@ def test_prefill_host_killed_with_requests_in_flight(healthy, reference):
             gone = await until(lambda: _prefill_gone(bus, baton), 60, "the registry dropped the dead prefill")
             gone_s = time.monotonic() - killed_at
             decode_free = await wait_all_free(baton.nats.urls, timeout_s=60)  # decode: the only one registered
-            return done, ended_s, gone_s, decode_free
-    done, ended_s, gone_s, decode_free = asyncio.run(run())
+            seen = [(round(t - killed_at, 1), kind, worker) for t, kind, worker in events]
+            return done, ended_s, gone_s, decode_free, seen
+    done, ended_s, gone_s, decode_free, seen = asyncio.run(run())
     assert len(done) == 12
     assert [o for *_, o in done if silent(o)] == [], "requests that got no answer in time"
     errors, right, wrong = exact(done, {i: want[i % len(prompts)] for i in range(12)})
     assert wrong == [], "complete but not exact"
     print(f"prefill host killed: {len(right)} exact, {len(errors)} errors "
           f"{sorted({(e.code.value, e.message[:80]) for _, e in errors})}; load ended {ended_s:.1f} s after the kill; "
-          f"registry dropped prefill {gone_s:.1f} s after; decode {decode_free}")
+          f"registry dropped prefill {gone_s:.1f} s after; decode {decode_free}; events {seen}")
 
     # the host comes back: its nats-server and a fresh prefill, and requests are exact again
     baton.nats.start_server(host)
