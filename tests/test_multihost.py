@@ -398,3 +398,22 @@ async def _decode_free(baton):
         return None
     d = loads.get(baton.worker_ids["decode"])
     return d if d is not None and d[1] == d[2] and d[3] == d[4] else None
+
+
+# --- e. the transfer benchmark between two namespaces ------------------------------------------
+def test_bench_transfer_between_namespaces_runs(tmp_path):
+    """bench/transfer_netns.py builds its own two hosts, WRITEs over UCX TCP, checks the bytes and
+    times a raw TCP stream of the same bytes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(root / "bench" / "transfer_netns.py"), "--sizes", "1M,4M",
+                           "--iters", "2", "--desc-kib", "1024", "--json", str(out)],
+                          capture_output=True, text=True, timeout=180, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["bytes"] for r in rows] == [1 << 20, 4 << 20] and [r["descriptors"] for r in rows] == [1, 4]
+    assert all(r["nixl_gbps"] > 0 and r["tcp_gbps"] > 0 for r in rows)
