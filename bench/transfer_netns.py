@@ -3,8 +3,8 @@ raw TCP stream of the same bytes between the same two namespaces (issue 29).
 
     sudo .venv/bin/python bench/transfer_netns.py --json out/transfer_netns.json
 
-Builds tests/multihost.py's topology with two hosts (a: sender, b: receiver; 10.77.0.1 and
-10.77.0.2 on a bridge in its own namespace, optional `--delay-ms` netem where the kernel has it),
+Builds tests/multihost.py's topology with two hosts (a: sender, b: receiver; 10.77.<x>.1 and
+10.77.<x>.2 on a bridge in its own namespace, optional `--delay-ms` netem where the kernel has it),
 then runs this script again in each namespace with `UCX_TLS=tcp,self UCX_NET_DEVICES=eth0`:
 the receiver registers one buffer of the largest size with a NIXL agent configured as Baton's are
 (`create_agent`: UCX backend, no NIXL progress thread, so the receiver progresses it itself, as

@@ -1,21 +1,26 @@
 """Several "hosts" on one machine: network namespaces joined by veth pairs to a bridge (issue 29).
 
     with Topology(["a", "b", "c"], delay_ms=1.0) as net:
-        net.host("a").popen(["nats-server", ...], log="a-nats.log")
-        net.cut("b"); ...; net.heal("b")
+        net.host("a").popen([...], label="nats")      # runs inside host a's namespace
+        net.cut("b"); ...; net.heal("b")               # host b's cable pulled, plugged in
 
 Each host is a namespace `baton-mh-<pid>-<host>` with loopback up and one interface `eth0` at
-10.77.0.<n>/24; the other end of its veth pair is a port of the bridge `bmh<pid>` in the root
-namespace, which itself has 10.77.0.254, so the process that built the topology (a test, a bench
-script) reaches every host like a client on the same LAN. `delay_ms` adds `tc netem delay` on
-every host's eth0 (each direction then crosses one delay: host -> bridge); where the kernel
-has no sch_netem the topology runs without it and `delay_error` says why. `cut(host)` sets the
-host's bridge port down (a cable pulled: the host's own interface keeps its address, packets are
-lost, nothing is refused); `heal(host)` sets it up again.
+10.77.<x>.<n>/24 (<x>: the first /24 of 10.77.0.0/16 the root namespace does not use yet, so
+two runs at once do not collide; `Topology.subnet`). The other end of each host's veth pair is a
+port of the bridge `br0` in a namespace of its own, `baton-mh-<pid>-lan` (so the root
+namespace's FORWARD chain, DROP under Docker with bridge-nf-call-iptables, never sees the
+traffic). The root namespace joins the LAN too, through the veth `bmh<pid>` at 10.77.<x>.254, so
+the process that built the topology (a test, a bench script) reaches every host as a client on
+the same LAN. `delay_ms` adds `tc netem delay` on every host's eth0 (each direction then
+crosses one delay: host -> bridge); where the kernel has no sch_netem the topology runs without
+it and `delay_error` says why. `cut(host)` sets the host's bridge port down (a cable pulled: the
+host's own interface keeps its address and carrier-less routes; packets are lost, nothing is
+refused); `heal(host)` sets it up again.
 
-Teardown (also on an exception, and at interpreter exit) kills every process started through
-`Host.popen` (their whole process group), deletes the namespaces and the bridge. Leftovers of a
-crashed run (`baton-mh-*` namespaces and `bmh*` bridges whose pid is not alive) are deleted at start.
+Teardown (on an exception too, and at interpreter exit) kills every process started through
+`Host.popen` (their process groups) and anything else left in the namespaces, then deletes the
+namespaces (which deletes their veth pairs). Leftovers of a crashed run (`baton-mh-<pid>-*`
+namespaces and `bmh<pid>` links whose pid is not alive) are deleted at start.
 
 Needs root and iproute2 (`ip`); `available()` says whether this machine can build it, and why not.
 """
@@ -25,6 +30,7 @@ import asyncio
 import atexit
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -36,8 +42,17 @@ from typing import Callable, Iterable, Sequence
 
 PREFIX = "baton-mh-"
 BRIDGE_PREFIX = "bmh"
-SUBNET = "10.77.0"
-BRIDGE_ADDR = f"{SUBNET}.254"
+NETWORK = "10.77"  # each topology takes one free 10.77.<x>.0/24
+
+
+def free_subnet() -> str:
+    """The first 10.77.<x> (x in 0..254) no address of the root namespace is in."""
+    used = _ip("-4", "-o", "addr", "show", check=False).stdout
+    taken = {int(m) for m in re.findall(rf"inet {NETWORK}\.(\d+)\.", used)}
+    for x in range(255):
+        if x not in taken:
+            return f"{NETWORK}.{x}"
+    raise RuntimeError(f"every {NETWORK}.x.0/24 is in use")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -111,6 +126,7 @@ class Host:
 
     def __init__(self, topology: "Topology", name: str, ns: str, addr: str, port: str):
         self.topology, self.name, self.ns, self.addr, self.port = topology, name, ns, addr, port
+        self.index = 0  # its address is <subnet>.<index>
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def command(self, argv: Sequence[str]) -> list[str]:
@@ -174,10 +190,12 @@ class Topology:
         self.delay_ms = delay_ms
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="baton-mh-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.subnet = ""  # "10.77.<x>", chosen at start
         self.hosts: dict[str, Host] = {}
         for i, name in enumerate(hosts, start=1):
-            self.hosts[name] = Host(self, name, f"{PREFIX}{self.pid}-{name}", f"{SUBNET}.{i}",
+            self.hosts[name] = Host(self, name, f"{PREFIX}{self.pid}-{name}", "",
                                     f"{BRIDGE_PREFIX}{self.pid}{name}"[:15])
+            self.hosts[name].index = i
         self._up = False
         self.delay_error = ""  # why `delay_ms` could not be applied (no sch_netem), else ""
 
@@ -197,17 +215,20 @@ class Topology:
         return self
 
     def _build(self) -> None:
+        self.subnet = free_subnet()
+        for h in self.hosts.values():
+            h.addr = f"{self.subnet}.{h.index}"
         # The bridge lives in a namespace of its own ("lan"): the root namespace's FORWARD chain
         # (often DROP, e.g. under Docker, with bridge-nf-call-iptables) then never sees host traffic.
         _ip("netns", "add", self.lan)
         _ip("-n", self.lan, "link", "set", "lo", "up")
         _ip("-n", self.lan, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.lan, "link", "set", "br0", "up")
-        # the root namespace joins the LAN too (10.77.0.254), so this process reaches every host
+        # the root namespace joins the LAN too (<subnet>.254), so this process reaches every host
         _ip("link", "add", self.bridge, "type", "veth", "peer", "name", f"{self.bridge[:14]}r")
         _ip("link", "set", f"{self.bridge[:14]}r", "netns", self.lan)
         _ip("-n", self.lan, "link", "set", f"{self.bridge[:14]}r", "master", "br0", "up")
-        _ip("addr", "add", f"{BRIDGE_ADDR}/24", "dev", self.bridge)
+        _ip("addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for h in self.hosts.values():
             _ip("netns", "add", h.ns)
