@@ -44,7 +44,11 @@ pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.timeou
 MAX_TOKENS = 48
 CLIENT_TIMEOUT_S = 60.0  # a stream's silence this long is a hang: no test here may see one
 UNARY_TIMEOUT_S = 150.0  # a unary reply comes whole at the end: a fault's length plus the move, under it
-ROUTER_IDLE_S = 20.0  # the router's silence limit on a stream (a deployment's config), under the client's
+# The router's own limits (a deployment's configuration), each under the client's, so that a
+# request the router is still driving (waiting in its queue, moved to another worker) is told
+# apart from one nobody answers: silence on a stream, a queue wait, admission to first token.
+ROUTER_ENV = {"BATON_ROUTER_IDLE_TIMEOUT_S": "20", "BATON_ROUTER_MAX_QUEUE_S": "40",
+              "BATON_ROUTER_FIRST_TOKEN_TIMEOUT_S": "45"}
 LOAD_TIMEOUT_S = 240.0  # a whole load, every request of it ended
 
 
@@ -56,7 +60,7 @@ def net(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baton(net):
-    cluster = multihost.BatonOnHosts(net, env={"router": {"BATON_ROUTER_IDLE_TIMEOUT_S": str(ROUTER_IDLE_S)}})
+    cluster = multihost.BatonOnHosts(net, env={"router": ROUTER_ENV})
     try:
         cluster.start()
         yield cluster
@@ -345,6 +349,9 @@ async def _first_exact(bus, prompt, want) -> int | None:
 
 # --- d. the prefill host lost ------------------------------------------------------------------
 def test_prefill_host_killed_with_requests_in_flight(healthy, reference):
+    """Host a (prefill and its nats-server) killed with 6 requests in flight; once the registry
+    has dropped the prefill, decode holds nothing; the host comes back (a fresh nats-server and
+    prefill) while the load still runs: requests that waited for a prefill are served exactly."""
     baton = healthy
     prompts = window_prompts()
     want = {i: w for i, w in enumerate(greedy_want(reference, prompts))}
@@ -359,34 +366,30 @@ def test_prefill_host_killed_with_requests_in_flight(healthy, reference):
             await until(lambda: _async(len(done) >= 1), 120, "load flowing")
             killed_at = time.monotonic()
             baton.net.host(host).kill_all(signal.SIGKILL)  # prefill and the host's nats-server
-            await task
-            ended_s = time.monotonic() - killed_at
-            gone = await until(lambda: _prefill_gone(bus, baton), 60, "the registry dropped the dead prefill")
+            await until(lambda: _prefill_gone(bus, baton), 60, "the registry dropped the dead prefill")
             gone_s = time.monotonic() - killed_at
             decode_free = await wait_all_free(baton.nats.urls, timeout_s=60)  # decode: the only one registered
+            ended_before = len(done)
+            # the host comes back while the rest of the load waits for a prefill
+            await asyncio.to_thread(baton.nats.start_server, host)
+            await asyncio.to_thread(baton.nats.wait_ready, host)
+            baton.start_role("prefill")
+            await task
+            ended_s = time.monotonic() - killed_at
+            await wait_all_free(baton.nats.urls, timeout_s=60)
+            again = [await outcome(bus, p, stream=False) for p in prompts]
             seen = [(round(t - killed_at, 1), kind, worker) for t, kind, worker in events]
-            return done, ended_s, gone_s, decode_free, seen
-    done, ended_s, gone_s, decode_free, seen = asyncio.run(run())
+            return done, ended_s, gone_s, decode_free, seen, ended_before, again
+    done, ended_s, gone_s, decode_free, seen, ended_before, again = asyncio.run(run())
     assert len(done) == 12
     assert [o for *_, o in done if silent(o)] == [], "requests that got no answer in time"
     errors, right, wrong = exact(done, {i: want[i % len(prompts)] for i in range(12)})
     assert wrong == [], "complete but not exact"
+    assert again == [want[i] for i in range(len(prompts))]
     print(f"prefill host killed: {len(right)} exact, {len(errors)} errors "
-          f"{sorted({(e.code.value, e.message[:80]) for _, e in errors})}; load ended {ended_s:.1f} s after the kill; "
-          f"registry dropped prefill {gone_s:.1f} s after; decode {decode_free}; events {seen}")
-
-    # the host comes back: its nats-server and a fresh prefill, and requests are exact again
-    baton.nats.start_server(host)
-    baton.nats.wait_ready(host)
-    baton.start_role("prefill")
-    baton.wait_ready(240)
-
-    async def again():
-        async with await connect(baton) as bus:
-            got = [await outcome(bus, p, stream=False) for p in prompts]
-        await wait_all_free(baton.nats.urls, timeout_s=60)
-        return got
-    assert asyncio.run(again()) == [want[i] for i in range(len(prompts))]
+          f"{sorted({(e.code.value, e.message[:80]) for _, e in errors})}; registry dropped prefill {gone_s:.1f} s "
+          f"after the kill, {ended_before} requests had ended by then; decode then {decode_free}; the load ended "
+          f"{ended_s:.1f} s after the kill (host back at {gone_s:.0f}+ s); events {seen}")
 
 
 async def _prefill_gone(bus, baton) -> bool:
