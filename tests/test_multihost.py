@@ -42,14 +42,15 @@ pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.timeou
               pytest.mark.skipif(REASON is not None, reason=f"multihost topology unavailable: {REASON}")]
 
 MAX_TOKENS = 48
-CLIENT_TIMEOUT_S = 60.0  # a stream's silence this long is a hang: no test here may see one
-UNARY_TIMEOUT_S = 150.0  # a unary reply comes whole at the end: a fault's length plus the move, under it
-# The router's own limits (a deployment's configuration), each under the client's, so that a
-# request the router is still driving (waiting in its queue, moved to another worker) is told
-# apart from one nobody answers: silence on a stream, a queue wait, admission to first token.
-ROUTER_ENV = {"BATON_ROUTER_IDLE_TIMEOUT_S": "20", "BATON_ROUTER_MAX_QUEUE_S": "40",
-              "BATON_ROUTER_FIRST_TOKEN_TIMEOUT_S": "45"}
-LOAD_TIMEOUT_S = 240.0  # a whole load, every request of it ended
+CLIENT_TIMEOUT_S = 90.0  # a stream's silence this long is a hang: no test here may see one
+UNARY_TIMEOUT_S = 180.0  # a unary reply comes whole at the end: a fault's length plus a move, under it
+# The router's own limits (a deployment's configuration), chosen so that a request the router is
+# still driving is told apart from one nobody answers. A stream moved off a silent decode is
+# silent to its client for up to idle + queue + first token (20 + 30 + 30 s: the router sends
+# nothing while it moves a request), so the client's silence limit must be above their sum.
+ROUTER_ENV = {"BATON_ROUTER_IDLE_TIMEOUT_S": "20", "BATON_ROUTER_MAX_QUEUE_S": "30",
+              "BATON_ROUTER_FIRST_TOKEN_TIMEOUT_S": "30"}
+LOAD_TIMEOUT_S = 300.0  # a whole load, every request of it ended
 
 
 @pytest.fixture(scope="module")
