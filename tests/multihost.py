@@ -367,7 +367,8 @@ class NatsCluster:
 
         def greets() -> bool:
             if self.procs[host].poll() is not None:
-                raise RuntimeError(f"nats-server on {host} exited:\n{self.topology.host(host).log('nats').read_text()[-3000:]}")
+                log = self.topology.host(host).log("nats").read_text()[-3000:]
+                raise RuntimeError(f"nats-server on {host} exited:\n{log}")
             try:
                 with socket.create_connection((self.topology.host(host).addr, CLIENT_PORT), timeout=0.5) as s:
                     info = json.loads(s.makefile("rb").readline(1 << 16).removeprefix(b"INFO "))

@@ -21,6 +21,7 @@ Every wait has a timeout. Needs root and iproute2; skipped with the reason elsew
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import time
@@ -292,7 +293,11 @@ async def _async(value):
 
 
 # --- c. the decode host's cable pulled 15 s ----------------------------------------------------
-@pytest.mark.parametrize("cut_s", [15.0, 45.0], ids=["15s", "45s"])
+LONG = pytest.mark.skipif(os.environ.get("BATON_MULTIHOST_LONG") != "1",
+                          reason="the 45 s cut runs with BATON_MULTIHOST_LONG=1 (~100 s; docs/reliability.md)")
+
+
+@pytest.mark.parametrize("cut_s", [15.0, pytest.param(45.0, marks=LONG)], ids=["15s", "45s"])
 def test_decode_host_link_cut(healthy, reference, cut_s):
     """15 s: under the lease; 45 s: past the lease plus the registry's stall grace (10 + 30 s)."""
     baton = healthy
@@ -398,15 +403,6 @@ async def _prefill_gone(bus, baton) -> bool:
         return baton.worker_ids["prefill"] not in await registered(bus)
     except BatonError:
         return False
-
-
-async def _decode_free(baton):
-    try:
-        loads = await worker_loads(baton.nats.urls)
-    except BatonError:
-        return None
-    d = loads.get(baton.worker_ids["decode"])
-    return d if d is not None and d[1] == d[2] and d[3] == d[4] else None
 
 
 # --- e. the transfer benchmark between two namespaces ------------------------------------------
