@@ -40,6 +40,15 @@ def test_request_reply(nats_server):
     run(scenario, nats_server)
 
 
+def test_a_comma_separated_server_list_connects_to_one_that_answers(nats_server):
+    """`--nats-url a,b,c` as `baton generate` passes it: servers tried in turn, not one bad URL."""
+    async def scenario(url):
+        async with await Bus.connect(f"nats://127.0.0.1:1, {url}", "test") as bus:
+            await bus.serve(SUBJECT, CancelRequest, echo)
+            assert (await bus.request(SUBJECT, CancelRequest(request_id="r"), CancelReply, timeout=2)).cancelled
+    run(scenario, nats_server)
+
+
 def test_no_responders_is_unavailable(nats_server):
     async def scenario(url):
         async with await connected(url) as bus:

@@ -22,6 +22,8 @@ from .wire import decode_reply_from, encode_for, nats_errors_mapped
 log = logging.getLogger(__name__)
 M = TypeVar("M")
 SETTLE_S = 5.0  # after a reconnect, how long "no responders" may only mean "not subscribed again yet"
+PING_S = 5.0  # client pings to its server this far apart ...
+MAX_PINGS_OUT = 3  # ... and this many unanswered make the connection lost (reconnect elsewhere)
 
 
 class Bus:
@@ -47,8 +49,11 @@ class Bus:
                       max_reconnect_attempts: int = -1, drain_timeout_s: float = 5.0,
                       inbox_prefix: str | None = None,
                       limits: Limits = DEFAULT_LIMITS) -> "Bus":
-        """Connect within `connect_timeout_s` or raise BatonError(unavailable). Once connected,
-        lost connections are retried every `reconnect_wait_s` (-1 attempts: forever)."""
+        """Connect within `connect_timeout_s` or raise BatonError(unavailable); `url` may list
+        several servers (a list, or comma-separated), tried in turn. Once connected, lost
+        connections are retried every `reconnect_wait_s` (-1 attempts: forever); a server that
+        stops answering pings (PING_S apart, MAX_PINGS_OUT unanswered) counts as lost, so a client
+        of a silently cut-off server moves to another within ~20 s, not nats-py's 4 minutes."""
         tls = None
         if tls_ca_file or tls_cert_file:
             tls = ssl.create_default_context(cafile=tls_ca_file)
@@ -74,8 +79,9 @@ class Bus:
             for callback in buses[0].on_reconnected if buses else ():
                 callback()
 
+        servers = [u.strip() for u in url.split(",") if u.strip()] if isinstance(url, str) else url
         options = dict(
-            servers=url, name=name, user=user, password=password, token=token,
+            servers=servers, name=name, ping_interval=PING_S, max_outstanding_pings=MAX_PINGS_OUT, user=user, password=password, token=token,
             user_credentials=creds_file, tls=tls, connect_timeout=min(connect_timeout_s, 2.0),
             reconnect_time_wait=reconnect_wait_s, max_reconnect_attempts=max_reconnect_attempts,
             drain_timeout=drain_timeout_s, error_cb=on_error, disconnected_cb=disconnected,
