@@ -30,8 +30,8 @@ def _model_config(cfg: Config):
 
 
 async def _registry(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
-    from baton.services.registry.service import Registry
-    registry = await Registry.open(bus, _model_config(cfg))
+    from baton.services.registry.service import Registry, RegistryConfig
+    registry = await Registry.open(bus, _model_config(cfg), RegistryConfig(replicas=cfg.registry.replicas))
     await registry.serve()
     await stop.wait()
     await registry.close()

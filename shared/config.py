@@ -103,6 +103,12 @@ class RouterSection:
 
 
 @dataclass(frozen=True)
+class RegistrySection:
+    replicas: int = key(1, "replicas of the workers' JetStream KV bucket (3 in a 3-node NATS cluster, so the "
+                           "registry's state survives a node); an existing bucket is changed to this", between(1, 5))
+
+
+@dataclass(frozen=True)
 class WorkerSection:
     id: str = key("", "worker id; empty: role + random suffix (a restart is a new NIXL peer)", flag="--worker-id")
     spec: str = key("mtp", "speculative decoding with the MTP draft", one_of("mtp", "off"), flag="--spec")
@@ -175,6 +181,7 @@ class Config:
     nats: NatsSection = NatsSection()
     model: ModelSection = ModelSection()
     router: RouterSection = RouterSection()
+    registry: RegistrySection = RegistrySection()
     worker: WorkerSection = WorkerSection()
     http: HttpSection = HttpSection()
     up: UpSection = UpSection()

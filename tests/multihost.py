@@ -400,8 +400,8 @@ async def js_meta_ready(urls: list[str], timeout_s: float = 30.0) -> None:
 
 
 async def create_replicated_bucket(urls: list[str], bucket: str, replicas: int, timeout_s: float = 30.0) -> dict:
-    """The registry's KV bucket made ahead of the registry with `replicas` (the registry creates
-    it with one replica; finding it made, it keeps it, replicas included). Returns its stream's
+    """The registry's KV bucket made ahead of the registry with `replicas` (the registry, given
+    the same `registry.replicas`, keeps it as it is). Returns its stream's
     cluster info."""
     import asyncio
 
@@ -513,7 +513,8 @@ class BatonOnHosts:
             self.extra[role] = list(extra or self.extra.get(role, []))
             args += ["--worker-id", self.worker_ids[role], *self.worker_args, *self.extra[role]]
         host = self.net.host(self.roles[role])
-        self.procs[role] = start_service(host, role, self.nats.url, args, env=self.env.get(role))
+        env = {**({"BATON_REGISTRY_REPLICAS": str(self.replicas)} if role == "registry" else {}), **self.env.get(role, {})}
+        self.procs[role] = start_service(host, role, self.nats.url, args, env=env)
         return self.procs[role]
 
     def start(self, ready_timeout_s: float = 240.0) -> "BatonOnHosts":

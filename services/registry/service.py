@@ -52,6 +52,7 @@ class RegistryConfig:
     stall_grace_s: float = 30.0  # how much longer than its lease a silent worker that nats-server still
     # lists as subscribed (a stalled process, not a dead one: its connection is open) stays registered
     probe_s: float = 0.5  # how long the liveness probe of a silent worker waits for an answer
+    replicas: int = 1  # of the workers' bucket (a NATS cluster: 3)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Registry:
 
     @classmethod
     async def open(cls, bus: Bus, model: ModelConfig, config: RegistryConfig = RegistryConfig()) -> "Registry":
-        registry = cls(bus, await open_bucket(bus.connection.jetstream()), model, config)
+        registry = cls(bus, await open_bucket(bus.connection.jetstream(), config.replicas), model, config)
         await registry._load()
         return registry
 
@@ -295,15 +296,15 @@ class Registry:
             kind=kind, worker_id=reg.worker_id, role=reg.role, reason=reason, instance_id=reg.instance_id))
 
 
-async def open_bucket(js: JetStreamContext) -> KeyValue:
-    """The workers' bucket, without a TTL: the registry decides when a lease expired (a bucket TTL
-    expired every entry at once when the registry itself had been paused). A bucket an older
-    registry made with a TTL loses it."""
+async def open_bucket(js: JetStreamContext, replicas: int = 1) -> KeyValue:
+    """The workers' bucket with `replicas`, without a TTL: the registry decides when a lease
+    expired (a bucket TTL expired every entry at once when the registry itself had been paused).
+    An existing bucket gets this replica count and loses a TTL an older registry gave it."""
     try:
-        return await js.create_key_value(bucket=BUCKET, history=1)
+        return await js.create_key_value(bucket=BUCKET, history=1, replicas=replicas)
     except BadRequestError as exc:
         if exc.err_code != STREAM_IN_USE:
             raise
     info = await js.stream_info(f"KV_{BUCKET}")
-    await js.update_stream(replace(info.config, max_age=0))
+    await js.update_stream(replace(info.config, max_age=0, num_replicas=replicas))
     return await js.key_value(BUCKET)
