@@ -95,6 +95,30 @@ def test_prefill_leaving_matters_only_until_decode_streams():
     assert f.events.get_nowait()[0] == "decode_lost"
 
 
+class SilentBus:
+    """A bus whose requests are never answered (a prefill that died without a word)."""
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+
+    async def request(self, subject, message, reply_cls, timeout):
+        self.asked.set()
+        await asyncio.sleep(timeout)
+        raise BatonError(ErrorCode.TIMEOUT, f"no reply from {subject} within {timeout} s")
+
+
+def test_a_target_sent_to_a_prefill_that_leaves_is_lost_at_its_left_event_not_at_the_timeout():
+    async def run():
+        f = Flow(SilentBus(), None, None, RouterTimeouts(first_token_s=60), "r", [1, 2], 4, SamplingParams(), None)
+        f.prefill_id, f.decode_id = "p", "d"
+        target = asyncio.create_task(f._target(SimpleNamespace(decode_worker_id="d", allocation={}), {}))
+        await asyncio.wait_for(f.bus.asked.wait(), 2)
+        f.worker_left("p", "lease expired")
+        with pytest.raises(AttemptLost, match="worker p left"):
+            await asyncio.wait_for(target, 2)  # not the 60 s first-token timeout
+    asyncio.run(run())
+
+
 def test_decode_lost_after_the_first_token_lets_the_request_continue_elsewhere():
     gone = BatonError(ErrorCode.UNAVAILABLE, "worker d left")
     with pytest.raises(DecodeLost) as lost:

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
@@ -107,6 +107,8 @@ class Flow:
         self._tasks: list[asyncio.Task] = []
         self._released = False
         self._targeted = False  # prefill was told where to write (else it must be released)
+        self._lost = asyncio.Event()  # set when a worker of this attempt left (its error in self._lost_error)
+        self._lost_error: BatonError | None = None
         self._prefilled = False
         self._avoid: set[str] = set()  # workers of a failed attempt, skipped by the retry when possible
         self._held: dict[str, int] = {}  # load this flow counts against workers in the directory
@@ -136,6 +138,10 @@ class Flow:
             self.events.put_nowait(("decode_lost", error))
         elif worker_id == self.prefill_id and not self._prefilled:
             self.events.put_nowait(("prefill_error", error))
+        else:
+            return
+        self._lost_error = error  # and a control request still waiting on the attempt gives up now
+        self._lost.set()
 
     async def tokens(self) -> AsyncIterator[tuple[list[int], Logprobs | None]]:
         """Yield (token ids, their logprobs if asked for) as decode produces them; `self.outcome`
@@ -211,6 +217,7 @@ class Flow:
         self.decode_id = self.prefill_id = None
         self._released = self._targeted = self._prefilled = False
         self.events = asyncio.Queue()
+        self._lost, self._lost_error = asyncio.Event(), None
 
     def _hold(self, worker_id: str, amount: int) -> None:
         self._held[worker_id] = amount
@@ -312,16 +319,32 @@ class Flow:
             self._unhold(prefill_id)
 
     async def _target(self, reservation: ReserveReply, plan: dict) -> None:
-        """Tell prefill where to WRITE the state it is computing; a failure loses the attempt."""
+        """Tell prefill where to WRITE the state it is computing; a failure, or a worker of the
+        attempt leaving meanwhile, loses the attempt."""
         try:
-            await self.bus.request(subjects.prefill_target(self.prefill_id), PrefillTarget(
+            await self._unless_lost(self.bus.request(subjects.prefill_target(self.prefill_id), PrefillTarget(
                 request_id=self.attempt_id, decode_worker_id=reservation.decode_worker_id,
                 decode_allocation=reservation.allocation, transfer_plan=plan), Ack,
-                timeout=self.timeouts.first_token_s)  # as long as the dispatch may take: prefill may be stalled
+                timeout=self.timeouts.first_token_s))  # as long as the dispatch may take: prefill may be stalled
         except BatonError as exc:
             raise AttemptLost(exc) from None
         self._targeted = True
         self.at.mark("targeted")
+
+    async def _unless_lost(self, request: Awaitable):
+        """`request`'s answer, or its BatonError; the error of a worker of this attempt that left
+        first (its "left" event ends the wait, not the request's own timeout)."""
+        pending = asyncio.ensure_future(request)
+        lost = asyncio.ensure_future(self._lost.wait())
+        try:
+            await asyncio.wait({pending, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not pending.done():
+                pending.cancel()
+        if pending.done() and not pending.cancelled():
+            return pending.result()
+        raise self._lost_error
 
     # --- relay ----------------------------------------------------------------------------
     def _awaits_prompt_logprobs(self) -> bool:
