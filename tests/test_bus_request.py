@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgpack
 import pytest
@@ -46,6 +47,26 @@ def test_a_comma_separated_server_list_connects_to_one_that_answers(nats_server)
         async with await Bus.connect(f"nats://127.0.0.1:1, {url}", "test") as bus:
             await bus.serve(SUBJECT, CancelRequest, echo)
             assert (await bus.request(SUBJECT, CancelRequest(request_id="r"), CancelReply, timeout=2)).cancelled
+    run(scenario, nats_server)
+
+
+def test_a_responder_that_just_joined_is_waited_for_while_its_subscriptions_settle(nats_server):
+    """In a NATS cluster a worker's subscriptions reach other servers a moment after it joined:
+    "no responders" within SETTLE_S of `joined_at` sends the request again."""
+    async def scenario(url):
+        async with await connected(url) as client, await connected(url) as worker:
+            async def subscribe_late():
+                await asyncio.sleep(0.5)
+                await worker.serve(SUBJECT, CancelRequest, echo)
+            late = asyncio.create_task(subscribe_late())
+            reply = await client.request(SUBJECT, CancelRequest(request_id="r"), CancelReply, timeout=2,
+                                         joined_at=time.monotonic())
+            assert reply.cancelled
+            await late
+            with pytest.raises(BatonError) as gone:  # long joined: no responders is unavailable at once
+                await client.request("test.bus.nobody", CancelRequest(request_id="r"), CancelReply, timeout=2,
+                                     joined_at=time.monotonic() - 60)
+            assert gone.value.code is ErrorCode.UNAVAILABLE
     run(scenario, nats_server)
 
 

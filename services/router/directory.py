@@ -28,6 +28,7 @@ class Directory:
         self.workers: dict[str, WorkerInfo] = {}
         self._plans: dict[tuple[str, str], dict] = {}
         self._outstanding: dict[str, int] = {}  # in flight from this router: prompt tokens per prefill, requests per decode
+        self._seen_at: dict[str, float] = {}  # worker id -> when this view first listed it (monotonic)
         self._refreshed_at = 0.0
         self._lookups_started = 0
         self._lookup_applied = 0  # the newest lookup whose answer is the view: an older one never overwrites it
@@ -54,6 +55,9 @@ class Directory:
         fresh = {w.registration.worker_id: w for w in reply.workers}
         for gone in set(self.workers) - set(fresh):
             self._forget(gone)
+        now = time.monotonic()
+        for worker_id in fresh:
+            self._seen_at.setdefault(worker_id, now)
         self.workers, self._refreshed_at = fresh, time.monotonic()
         self._changed.set()
         self.on_refresh()
@@ -73,6 +77,11 @@ class Directory:
         if not self.of_role(role):
             await self.refresh()
         return self.of_role(role)
+
+    def joined_at(self, worker_id: str) -> float:
+        """When this view first listed the worker (monotonic; 0 if it never did): requests to it
+        just after may find its subscriptions not yet propagated (Bus.request, `joined_at`)."""
+        return self._seen_at.get(worker_id, 0.0)
 
     def outstanding(self, worker_id: str) -> int:
         return self._outstanding.get(worker_id, 0)
@@ -104,6 +113,7 @@ class Directory:
 
     def _forget(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
+        self._seen_at.pop(worker_id, None)
         self.affinity.forget(worker_id)
         self._plans = {k: v for k, v in self._plans.items() if worker_id not in k}
 

@@ -277,7 +277,8 @@ class Flow:
                     request_id=self.attempt_id, token_ids=self.token_ids, max_tokens=self.max_tokens,
                     sampling=self.sampling, stream_subject=self.stream_subject, prefill_worker_id=prefill_id,
                     components=plan_components(plan),
-                    draft_state=plan["draft_state"]), ReserveReply, timeout=self.timeouts.control_s)
+                    draft_state=plan["draft_state"]), ReserveReply, timeout=self.timeouts.control_s,
+                    joined_at=self.directory.joined_at(decode_id))
             except BatonError as exc:
                 self._unhold(decode_id)
                 last = exc
@@ -308,7 +309,7 @@ class Flow:
         try:
             done = await self.bus.request(subjects.prefill_dispatch(prefill_id), PrefillDispatch(
                 request_id=self.attempt_id, token_ids=self.token_ids, sampling=self.sampling), PrefillDone,
-                timeout=self.timeouts.first_token_s)
+                timeout=self.timeouts.first_token_s, joined_at=self.directory.joined_at(prefill_id))
             self._prefilled = True
             self.at.mark("prefill_reply")
             self.prefill_done = done

@@ -101,10 +101,14 @@ class Bus:
         """The nats-py client, for what the bus does not wrap (JetStream key-value)."""
         return self._nc
 
-    async def request(self, subject: str, message: Any, reply_cls: type[M], timeout: float = 5.0) -> M:
-        """One request, one reply of type `reply_cls`; an error reply raises its BatonError."""
+    async def request(self, subject: str, message: Any, reply_cls: type[M], timeout: float = 5.0,
+                      joined_at: float = 0.0) -> M:
+        """One request, one reply of type `reply_cls`; an error reply raises its BatonError.
+        `joined_at`: when the responder was first seen (monotonic): within SETTLE_S of it, "no
+        responders" may only mean its subscriptions have not reached our server yet (a NATS
+        cluster propagates them over its routes), and the request is sent again."""
         data = encode_for(subject, message, self._nc.max_payload)
-        settling = self.settling()
+        settling = self.settling(joined_at)
         with nats_errors_mapped(subject, timeout):
             while True:
                 try:
@@ -116,15 +120,18 @@ class Bus:
                 await asyncio.sleep(0.1)
         return decode_reply_from(subject, msg.data, reply_cls, self.limits)
 
-    def settling(self) -> Callable[[], bool]:
+    def settling(self, joined_at: float = 0.0) -> Callable[[], bool]:
         """For a request sent now: whether a "no responders" answer may only mean that the server
         was restarted and its services have not subscribed again yet (they do a moment after we
-        reconnect). Nobody received the message then, so sending it again duplicates nothing."""
+        reconnect), or that the responder joined at `joined_at` and its subscriptions are still on
+        their way. Nobody received the message then, so sending it again duplicates nothing."""
         reconnects, reconnecting = self._nc.stats["reconnects"], not self._nc.is_connected
         until = 0.0  # SETTLE_S after the first "no responders" since the reconnect
 
         def settling() -> bool:
             nonlocal until
+            if time.monotonic() < joined_at + SETTLE_S:
+                return True
             if not reconnecting and self._nc.stats["reconnects"] == reconnects:
                 return False
             until = until or time.monotonic() + SETTLE_S
