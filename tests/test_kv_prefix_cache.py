@@ -45,12 +45,11 @@ def prefill(store, runner, cache, rid: str, prompt: list[int], reserve: int, bou
         store.allocate(rid, reserve)
 
     def on_chunk(i, end, hidden):
-        rows, first = hit.hidden(cache) if hit else (hidden[:0], hit.start if hit else 0)
-        cache.insert(rid, prompt[:end], torch.cat((rows, hidden)), first, boundary=True)
+        hidden, first = hit.joined(cache, hidden) if hit else (hidden, 0)
+        cache.insert(rid, prompt[:end], hidden, first, boundary=True)
     [out] = runner.prefill([seq], [hit.start if hit else 0], on_chunk if boundaries and cache is not None else None)
     if hit:
-        rows, first = hit.hidden(cache)
-        out.hidden, out.hidden_start = torch.cat((rows, out.hidden)), first
+        out.hidden, out.hidden_start = hit.joined(cache, out.hidden)
     if cache is not None:
         cache.insert(rid, prompt, out.hidden, out.hidden_start, hit)
     runner.fill_draft_windows([seq], [out])

@@ -261,10 +261,9 @@ class PrefillWorker:
             return None
 
         def on_chunk(i: int, end: int, hidden: torch.Tensor) -> None:
-            seq, hit, first = seqs[i][1], hits[i], hits[i].start if hits[i] else 0
+            seq, hit, first = seqs[i][1], hits[i], 0
             if hit is not None:
-                rows, first = hit.hidden(self.cache)
-                hidden = torch.cat((rows, hidden))
+                hidden, first = hit.joined(self.cache, hidden)
             self.cache.insert(seq.request_id, seq.prompt[:end], hidden, first, boundary=True)
         return on_chunk
 
@@ -274,8 +273,7 @@ class PrefillWorker:
         job.cached_tokens = hit.start if hit else 0
         self.metrics.computed_tokens.inc(len(seq.prompt) - job.cached_tokens)
         if hit is not None:
-            rows, first = hit.hidden(self.cache)
-            out.hidden, out.hidden_start = torch.cat((rows, out.hidden)), first
+            out.hidden, out.hidden_start = hit.joined(self.cache, out.hidden)
             self.metrics.cached_tokens.inc(hit.start)
         if self.cache is not None:
             self.metrics.prefix_lookups.labels("hit" if hit else "miss").inc()

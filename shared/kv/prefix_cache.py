@@ -55,10 +55,11 @@ class Hit:
     entry: Entry
     start: int
 
-    def hidden(self, cache: "PrefixCache") -> tuple[torch.Tensor, int]:
-        """([start - first, d] target hidden states, first): the cached rows below `start`."""
+    def joined(self, cache: "PrefixCache", computed: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The cached hidden rows below `start` followed by `computed` (rows from `start` on):
+        ([n, d] target hidden states, the position of the first)."""
         e = self.entry
-        return cache.hidden[e.slot, :self.start - e.lo], e.lo
+        return torch.cat((cache.hidden[e.slot, :self.start - e.lo], computed)), e.lo
 
 
 class PrefixCache:
