@@ -77,6 +77,7 @@ class DecodeWorker:
         self.engine = EngineThread()
         self.requests: dict[int, Request] = {}  # by tag
         self.wake = asyncio.Event()
+        self._running: tuple[list[tuple[int, Request]], float, asyncio.Future] | None = None  # the step in flight
         self.probe_prefix = bus.connection.new_inbox()  # <prefix>.<tag>: the reply subject of a request's chunks
         self.membership = Membership(bus, registration(config, self.manifest, self.agent.metadata(),
                                                        self.model.cfg.max_position_embeddings), self.load)
@@ -255,25 +256,53 @@ class DecodeWorker:
 
     # --- decode loop ----------------------------------------------------------------------
     async def _step_loop(self) -> None:
-        while True:
-            for tag, req in list(self.requests.items()):
-                if req.started and (req.abort or req.seq.finish_reason):
-                    await self._finish(tag, req, req.seq.finish_reason or req.released_as)
-            batch = [(t, r) for t, r in self.requests.items() if r.started and not r.abort][:self.config.max_batch]
-            if not batch:
-                self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), 0.5)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            started = time.perf_counter()
-            emitted = await self.engine.call(self.runner.step, [r.seq for _, r in batch])
-            self.metrics.step_seconds.observe(time.perf_counter() - started)
-            self.metrics.tokens.inc(sum(len(t) for t in emitted))
-            for (tag, req), tokens in zip(batch, emitted):
-                if tokens and not req.abort:
-                    await self._publish(req, tokens)
+        """Pipelined: the next step goes to the engine thread as soon as the last one returns,
+        and the last one's tokens are streamed (and ended requests finished) while it computes.
+        The batch is taken when a step is sent, so a request that ended or was aborted after that
+        leaves at the following step; only requests no step holds are finished (freed)."""
+        try:
+            while True:
+                done, emitted = await self._collect()
+                batch = self._batch()
+                if batch:
+                    self._running = (batch, time.perf_counter(),
+                                     asyncio.ensure_future(self.engine.call(self.runner.step, [r.seq for _, r in batch])))
+                for (tag, req), tokens in zip(done, emitted):
+                    if tokens and not req.abort:
+                        await self._publish(req, tokens)
+                stepping = {tag for tag, _ in batch}
+                for tag, req in list(self.requests.items()):
+                    if req.started and (req.abort or req.seq.finish_reason) and tag not in stepping:
+                        await self._finish(tag, req, req.seq.finish_reason or req.released_as)
+                if not batch:
+                    await self._idle()
+        finally:
+            if self._running is not None:
+                self._running[2].cancel()
+
+    async def _collect(self) -> tuple[list[tuple[int, Request]], list[list[int]]]:
+        """Wait for the step in flight, if any: its batch and the tokens each request emitted."""
+        if self._running is None:
+            return [], []
+        batch, sent_at, step = self._running
+        emitted = await step
+        self._running = None
+        self.metrics.step_seconds.observe(time.perf_counter() - sent_at)
+        self.metrics.tokens.inc(sum(len(t) for t in emitted))
+        return batch, emitted
+
+    def _batch(self) -> list[tuple[int, Request]]:
+        ready = [(t, r) for t, r in self.requests.items() if r.started and not r.abort and not r.seq.finish_reason]
+        return ready[:self.config.max_batch]
+
+    async def _idle(self) -> None:
+        self.wake.clear()
+        if self._batch():
+            return
+        try:
+            await asyncio.wait_for(self.wake.wait(), 0.5)
+        except asyncio.TimeoutError:
+            pass
 
     async def _finish(self, tag: int, req: Request, reason: str) -> None:
         await self._publish(req, [], finish_reason=reason)
