@@ -27,9 +27,10 @@ What it does, in order:
    records that error and retries with `--hf-overrides {"max_window_layers": <layers>}`, which
    starts but, per REFERENCE.md, runs every layer with full attention: its greedy tokens differ
    from the reference once a prompt is longer than the window (in the smoke run, on every prompt,
-   some from the first token). vLLM's prefix cache is turned off (`--no-enable-prefix-caching`;
-   `--vllm-prefix-caching` keeps it) because prompts repeat across concurrency levels and Baton
-   has no prefix cache. A warm-up phase per server precedes the measured levels.
+   some from the first token). Both servers' prefix caches are turned off (vLLM's
+   `--no-enable-prefix-caching`, Baton's `--prefix-cache 0`; `--vllm-prefix-caching` keeps both
+   on) because prompts repeat across concurrency levels. A warm-up phase per server precedes the
+   measured levels.
 5. Per server and concurrency level (a closed loop: C clients, `--requests` requests): tok/s (all
    completion tokens / wall time of the level), TTFT (request sent -> first chunk with content),
    per-stream decode tok/s (tokens after the first chunk / time from first to last chunk), and
@@ -296,6 +297,8 @@ def baton_server(config: str, args, log_dir: Path) -> Server:
            "--log-dir", str(log_dir / f"baton-{config}-services"), "--spec", config]
     if config == "mtp":
         cmd += ["--draft-tokens", str(args.draft_tokens)]
+    if not args.vllm_prefix_caching:  # prompts repeat across levels: neither server reuses them
+        cmd += ["--prefix-cache", "0"]
     if args.baton_threads:
         cmd += ["--threads", str(args.baton_threads)]
     # BATON_STATE: our own state file, so a `baton up` someone else runs keeps its ~/.cache/baton/up.json
@@ -567,7 +570,7 @@ def main() -> int:
     ap.add_argument("--vllm-venv", type=Path, default=Path.home() / ".cache" / "baton" / "vllm-venv")
     ap.add_argument("--vllm-kv-space-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-max-model-len", type=int, default=0, help="--max-model-len (0: the model's)")
-    ap.add_argument("--vllm-prefix-caching", action="store_true", help="keep vLLM's prefix cache on")
+    ap.add_argument("--vllm-prefix-caching", action="store_true", help="keep both servers' prefix caches on")
     ap.add_argument("--no-native-retry", action="store_true",
                     help="do not retry native with a max_window_layers override after it refuses the model")
     ap.add_argument("--ready-timeout", type=float, default=900)
