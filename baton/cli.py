@@ -35,7 +35,7 @@ def add_config_option(p: argparse.ArgumentParser) -> None:
 def add_worker_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prefill/decode workers ([worker] in the config)")
     g.add_argument("--spec", choices=("mtp", "off"), help="speculative decoding with the MTP draft (default mtp)")
-    g.add_argument("--draft-tokens", type=int, help="draft tokens per verify step, k (default 3)")
+    g.add_argument("--draft-tokens", type=int, help="draft tokens per verify step, k (default 5)")
     g.add_argument("--draft-state", choices=("transfer", "rebuild", "cold"),
                    help="how decode's draft window starts: sent by prefill, rebuilt from hidden states, or empty")
     g.add_argument("--kv-mode", choices=("ring", "paged"), help="sliding-window KV storage (default ring)")

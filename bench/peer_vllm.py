@@ -562,7 +562,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--baton-configs", type=csv_list(str), default=["mtp", "off"], help=f"of {','.join(BATON_CONFIGS)}")
-    ap.add_argument("--draft-tokens", type=int, default=3, help="Baton's k for --baton-configs mtp")
+    ap.add_argument("--draft-tokens", type=int, default=5, help="Baton's k for --baton-configs mtp (its default)")
     ap.add_argument("--baton-threads", type=int, default=0,
                     help="baton up --threads (0: baton up divides the cores among its engines)")
     ap.add_argument("--vllm-configs", type=csv_list(str), default=list(VLLM_CONFIGS),

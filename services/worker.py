@@ -36,7 +36,7 @@ class WorkerConfig:
     page_size: int = 16
     num_slots: int = 64
     spec: bool = True
-    draft_tokens: int = 3
+    draft_tokens: int = 5
     draft_state: str = "transfer"  # transfer | rebuild | cold
     prefill_chunk: int = 256
     prefix_cache: int = 64  # prefill: prompt ends kept for prompts that extend them (0: off)

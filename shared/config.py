@@ -112,7 +112,7 @@ class RegistrySection:
 class WorkerSection:
     id: str = key("", "worker id; empty: role + random suffix (a restart is a new NIXL peer)", flag="--worker-id")
     spec: str = key("mtp", "speculative decoding with the MTP draft", one_of("mtp", "off"), flag="--spec")
-    draft_tokens: int = key(3, "draft tokens per verify step (k)", between(1, MAX_DRAFT_TOKENS), flag="--draft-tokens")
+    draft_tokens: int = key(5, "draft tokens per verify step (k)", between(1, MAX_DRAFT_TOKENS), flag="--draft-tokens")
     draft_state: str = key("transfer", "how decode's draft window starts",
                            one_of("transfer", "rebuild", "cold"), flag="--draft-state")
     kv_mode: str = key("ring", "sliding-window KV storage", one_of("ring", "paged"), flag="--kv-mode")

@@ -49,7 +49,7 @@ class AggregatedConfig:
     page_size: int = 16
     num_slots: int = 64  # requests resident at once (waiting + running); beyond: busy
     spec: bool = True
-    draft_tokens: int = 3
+    draft_tokens: int = 5
     draft_state: str = "transfer"  # transfer (draft window filled at prefill) | rebuild | cold
     prefill_chunk: int = 256
     max_batch: int = 64  # sequences per decode step
