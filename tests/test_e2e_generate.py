@@ -16,6 +16,7 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import (CancelReply, CancelRequest, GenerateReply, GenerateRequest, Logprobs, SpecStats,
                                 StreamChunk)
 from baton.shared.bus import Bus
+from baton.shared.config import WorkerSection
 from e2e_cluster import Reference, running_cluster, wait_all_free, window_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -50,8 +51,8 @@ def test_greedy_equals_transformers_concurrently(cluster, reference):
 
 
 def test_draft_tokens_lowers_speculation_per_request_without_changing_tokens(cluster, reference):
-    """The deployment drafts K = 3; requests batched together on decode ask for 0, 1, the default
-    and more than K (which counts as K): same greedy tokens, different speculation."""
+    """The deployment drafts its default K; requests batched together on decode ask for 0, 1, the
+    default and more than K (which counts as K): same greedy tokens, different speculation."""
     p = window_prompts()[2]
     caps = [None, 0, 1, 9]
 
@@ -64,8 +65,9 @@ def test_draft_tokens_lowers_speculation_per_request_without_changing_tokens(clu
         assert reply.token_ids == want, (cap, reference.explain(p, reply.token_ids, want))
     assert zero.spec == SpecStats()  # no speculation: every counter zero
     assert one.spec.drafted == one.spec.verify_steps > 0
-    assert default.spec.drafted == 3 * default.spec.verify_steps > 0
-    assert above.spec.drafted == 3 * above.spec.verify_steps > 0
+    K = WorkerSection().draft_tokens
+    assert default.spec.drafted == K * default.spec.verify_steps > 0
+    assert above.spec.drafted == K * above.spec.verify_steps > 0
     asyncio.run(wait_all_free(cluster.nats_url))
 
 
@@ -213,7 +215,7 @@ def test_a_reply_ended_by_a_stop_string_reports_its_speculation(cluster):
     stopped, stop = asyncio.run(run())
     assert stopped.finish_reason == "stop" and stop not in stopped.text and stopped.usage.completion_tokens > 1
     spec = stopped.spec  # every token after the first (prefill's) came from a verify step
-    assert spec.drafted == 3 * spec.verify_steps and spec.accepted + spec.verify_steps >= stopped.usage.completion_tokens - 1
+    assert spec.drafted == WorkerSection().draft_tokens * spec.verify_steps and spec.accepted + spec.verify_steps >= stopped.usage.completion_tokens - 1
 
 
 def test_ignore_eos_runs_every_request_to_max_tokens(cluster):

@@ -11,6 +11,7 @@ import pytest
 from baton.proto import subjects
 from baton.proto.public import GenerateReply, GenerateRequest
 from baton.shared.bus import Bus
+from baton.shared.config import WorkerSection
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
@@ -95,8 +96,9 @@ def test_several_prefill_and_decode_workers_share_requests_exactly():
     # prefill copies each WRITE on two extra threads here (the default is none): the same tokens
     with running_cluster(prefill=2, decode=2, worker_args=["--kv-mode", "paged", "--transfer-threads", "2"]) as cluster:
         batch = prompts(8) * 2
-        check_exact(batch, asyncio.run(generate_all(cluster.nats_url, batch)), 3)
-        check_conversation(asyncio.run(converse(cluster.nats_url)), 3)  # each turn finds the prefill holding the last
+        K = WorkerSection().draft_tokens  # the deployment default these workers run with
+        check_exact(batch, asyncio.run(generate_all(cluster.nats_url, batch)), K)
+        check_conversation(asyncio.run(converse(cluster.nats_url)), K)  # each turn finds the prefill holding the last
         loads = asyncio.run(wait_all_free(cluster.nats_url, min_requests=len(batch) + 1))  # + the warm-up
         served = {role: [v[6] for v in loads.values() if v[0] == role] for role in ("prefill", "decode")}
         assert len(served["decode"]) == 2 and all(n > 0 for n in served["decode"]), served
