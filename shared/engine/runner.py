@@ -186,8 +186,8 @@ class ModelRunner:
         drafts, q = self._draft_chain(seqs, ks, draws, penalties)  # [B, K] on the device; q [Ns, K, V] or None
         verify = [Chunk(s.request_id, s.length, k + 1) for s, k in zip(seqs, ks)]
         chain = torch.cat((torch.tensor([[s.last_token] for s in seqs], device=self.device), drafts), 1)  # [B, K+1]
-        ids = chain.view(-1) if min(ks) == K else chain.view(-1)[self._host_index(
-            [b * (K + 1) + j for b, k in enumerate(ks) for j in range(k + 1)])]
+        ids = chain.view(-1) if min(ks) == K else chain.view(-1).index_select(0, self._host_index(
+            [b * (K + 1) + j for b, k in enumerate(ks) for j in range(k + 1)]))
         hidden = self._target(verify, ids)  # [T, d], T = sum(k_b + 1)
         logits = self.model.logits(hidden)  # [T, V]
         offsets = [0, *accumulate(k + 1 for k in ks)]
@@ -239,7 +239,7 @@ class ModelRunner:
         if penalties.any:  # each position penalised as plain decoding would penalise it there
             scores = logits[at]  # [B, K+1, V]
             scores[penalties.index] = penalties.at_positions(scores[penalties.index], drafts[penalties.index])
-        best = logits.argmax(-1)[at] if scores is None else scores.argmax(-1)  # [B, K+1]
+        best = logits.argmax(-1).take(at) if scores is None else scores.argmax(-1)  # [B, K+1]
         drafted = torch.arange(K, device=self.device) < self._host_index(ks)[:, None]
         accepted = ((drafts == best[:, :K]) & drafted).long().cumprod(-1).sum(-1)  # [B]
         emitted = best.gather(1, accepted[:, None])[:, 0]
@@ -274,7 +274,7 @@ class ModelRunner:
         ids = [t for s in chain for t in s.token_span(s.draft_len, s.length + 1)]
         g = self._draft(chunks, ids, torch.cat([s.pending_hidden for s in chain]))
         ends = self._host_index([end - 1 for end in accumulate(c.n for c in chunks)])  # each chunk's last row
-        last = g[ends]  # [B', d]
+        last = g.index_select(0, ends)  # [B', d]
         columns = []
         for j in range(K):
             logits = self.model.logits(last)  # [B', V]

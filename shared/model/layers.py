@@ -132,7 +132,7 @@ class Rotary(nn.Module):
             max_position = int(positions.max()) if positions.numel() else 0
         if max_position >= self.cos.shape[0]:
             self._grow(max(2 * self.cos.shape[0], max_position + 1))
-        cos, sin = self.cos[positions][:, None, :], self.sin_signed[positions][:, None, :]
+        cos, sin = self.cos.index_select(0, positions)[:, None, :], self.sin_signed.index_select(0, positions)[:, None, :]
         return (cos, sin) if cos.dtype == dtype else (cos.to(dtype), sin.to(dtype))
 
 
