@@ -27,6 +27,7 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from baton.shared.config import WorkerSection
 from baton.shared.engine.attention import StoreAttention
 from baton.shared.engine.local import LocalEngine
 from baton.shared.engine.runner import SpecConfig
@@ -253,7 +254,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--prompt-len", type=int, default=160)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--k", type=int, default=WorkerSection().draft_tokens, help="draft tokens (default: the deployment's)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--system-tokens", type=int, default=128)
     ap.add_argument("--skip-system", action="store_true")
