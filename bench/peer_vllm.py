@@ -295,7 +295,7 @@ def baton_server(config: str, args, log_dir: Path) -> Server:
     port = free_port()
     cmd = [str(BATON), "up", "--http", "--http-port", str(port), "--model", str(MODEL_DIR),
            "--log-dir", str(log_dir / f"baton-{config}-services"), "--spec", config]
-    if config == "mtp":
+    if config == "mtp" and args.draft_tokens:
         cmd += ["--draft-tokens", str(args.draft_tokens)]
     if not args.vllm_prefix_caching:  # prompts repeat across levels: neither server reuses them
         cmd += ["--prefix-cache", "0"]
@@ -562,7 +562,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--baton-configs", type=csv_list(str), default=["mtp", "off"], help=f"of {','.join(BATON_CONFIGS)}")
-    ap.add_argument("--draft-tokens", type=int, default=5, help="Baton's k for --baton-configs mtp (its default)")
+    ap.add_argument("--draft-tokens", type=int, default=0,
+                    help="Baton's k for --baton-configs mtp (0: baton up's default)")
     ap.add_argument("--baton-threads", type=int, default=0,
                     help="baton up --threads (0: baton up divides the cores among its engines)")
     ap.add_argument("--vllm-configs", type=csv_list(str), default=list(VLLM_CONFIGS),

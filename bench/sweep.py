@@ -24,6 +24,7 @@ from pathlib import Path
 from baton import loadtest
 from baton.services.aggregated import launch
 from baton.shared.bus import NatsServer
+from baton.shared.config import WorkerSection
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.up import start_cluster, wait_ready
 
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--spec", choices=("mtp", "off"), default="mtp")
-    ap.add_argument("--draft-tokens", type=int, default=5)
+    ap.add_argument("--draft-tokens", type=int, default=WorkerSection().draft_tokens)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per prefill / decode process")
     ap.add_argument("--agg-threads", type=int, default=None, help="torch threads of the aggregated process "
                     "(default: --threads, as each disaggregated engine process; 2 x was slower on 2 busy cores)")

@@ -16,6 +16,7 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, Capacity, Deregistration, Heartbeat, HeartbeatReply, LookupReply,
                                   LookupRequest, RegisterReply, WorkerEvent, WorkerLoad, WorkerRegistration)
 from baton.shared.bus import Bus
+from baton.shared.config import WorkerSection
 from baton.shared.kv.codec import from_plain, to_plain
 from baton.shared.kv.manifest import Manifest
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
@@ -36,7 +37,7 @@ class WorkerConfig:
     page_size: int = 16
     num_slots: int = 64
     spec: bool = True
-    draft_tokens: int = 5
+    draft_tokens: int = WorkerSection.draft_tokens  # the one default: shared/config.py
     draft_state: str = "transfer"  # transfer | rebuild | cold
     prefill_chunk: int = 256
     prefix_cache: int = 64  # prefill: prompt ends kept for prompts that extend them (0: off)

@@ -27,6 +27,7 @@ import torch
 
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import Logprobs
+from baton.shared.config import WorkerSection
 from baton.shared.engine.runner import ModelRunner, SpecConfig
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
@@ -49,7 +50,7 @@ class AggregatedConfig:
     page_size: int = 16
     num_slots: int = 64  # requests resident at once (waiting + running); beyond: busy
     spec: bool = True
-    draft_tokens: int = 5
+    draft_tokens: int = WorkerSection.draft_tokens  # the one default: shared/config.py
     draft_state: str = "transfer"  # transfer (draft window filled at prefill) | rebuild | cold
     prefill_chunk: int = 256
     max_batch: int = 64  # sequences per decode step
