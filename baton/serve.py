@@ -31,7 +31,8 @@ def _model_config(cfg: Config):
 
 async def _registry(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
     from baton.services.registry.service import Registry, RegistryConfig
-    registry = await Registry.open(bus, _model_config(cfg), RegistryConfig(replicas=cfg.registry.replicas))
+    registry = await Registry.open(bus, _model_config(cfg), RegistryConfig(replicas=cfg.registry.replicas,
+                                                                         check_metadata=cfg.registry.check_metadata))
     await registry.serve()
     await stop.wait()
     await registry.close()

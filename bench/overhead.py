@@ -37,6 +37,7 @@ from baton.proto import subjects  # noqa: E402
 from baton.proto.internal import Ack  # noqa: E402
 from baton.proto.public import GenerateReply, GenerateRequest  # noqa: E402
 from baton.shared.bus import Bus  # noqa: E402
+from baton.shared.config import WorkerSection  # noqa: E402
 from baton.shared.kv.plan import make_plan  # noqa: E402
 from baton.shared.kv.store import KVStore  # noqa: E402
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model  # noqa: E402
@@ -179,7 +180,8 @@ def strict_overhead(stamps: dict[str, dict[tuple[str, str], float]]) -> list[flo
             - span(at, ("prefill", "write"), ("decode", "arrived")) for at in stamps.values()]
 
 
-def plan_bytes(length: int, k: int = 3) -> dict[str, int]:
+def plan_bytes(length: int, k: int = WorkerSection().draft_tokens) -> dict[str, int]:
+    """Bytes per component of one request's transfer plan, at the deployment's k (as the cluster runs)."""
     cfg = load_model().cfg
     kw = dict(mode="ring", num_pages=1200, page_size=16, num_slots=2, max_draft_tokens=k)
     src, dst = KVStore(cfg, draft_enabled=True, **kw), KVStore(cfg, draft_enabled=True, **kw)
@@ -200,8 +202,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
-    W = load_model().cfg.sliding_window
-    lengths = [16, W // 2, W, 2 * W, 4 * W, 8 * W, 16 * W, 32 * W]
+    cfg = load_model().cfg
+    W = cfg.sliding_window
+    # up to the context: the longest prompt leaves room for the one token each request generates
+    lengths = sorted({min(n, cfg.max_position_embeddings - 1)
+                      for n in (16, W // 2, W, 2 * W, 4 * W, 8 * W, 16 * W, 32 * W, 64 * W)})
     short = heldout_prompts(tok, args.requests, args.prompt_len, seed=1)
     growing = [heldout_prompts(tok, 1, n, seed=n)[0] for n in lengths]
     with running_cluster(worker_args=["--num-pages", "1024"]) as cluster:
@@ -233,7 +238,7 @@ def main() -> None:
     print(f"{'':<36} {'p50':>8} {'p90':>8} {'mean':>8}")
     for name, v in hops.items():
         print(f"{name:<36} {v['p50']:>8.2f} {v['p90']:>8.2f} {v['mean']:>8.2f}")
-    print(f"\ntransfer bytes per request (k=3, draft state travels):")
+    print(f"\ntransfer bytes per request (k={WorkerSection().draft_tokens}, draft state travels):")
     print(f"{'prompt':>7} {'measured':>10} {'descs':>6} {'ms':>7} {'ttft_ms':>8} "
           + " ".join(f"{c:>16}" for c in plan_bytes(W)))
     growth = []

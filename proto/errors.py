@@ -29,6 +29,14 @@ class BatonError(Exception):
         return ErrorReply(error=ErrorDetail(code=self.code, message=self.message))
 
 
+class NotListening(BatonError):
+    """`unavailable` because nobody subscribes to the subject (NATS "no responders"): whoever
+    served it is gone, or (just after it joined, or after a reconnect) not subscribed yet."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.UNAVAILABLE, message)
+
+
 def bad_request(message: str) -> BatonError:
     return BatonError(ErrorCode.BAD_REQUEST, message)
 

@@ -12,6 +12,15 @@ INTERNAL = "baton.internal.v1"
 # --- public (request/reply, router queue group) ---
 GENERATE = f"{PUBLIC}.generate"
 CANCEL = f"{PUBLIC}.cancel"
+# Subjects whose servers acknowledge receipt (proto/README.md, "Receipts"): a request with the
+# header RECEIPT_HEADER gets an empty message on `<reply subject>.receipt` as soon as a server
+# takes it, whose reply subject probes that server; it may be sent again, with the same reply
+# subject, until one comes, and a server handles each reply subject once. Every reply the server
+# sends names it in SENDER_HEADER (the probe), so a client keeps to one server's replies.
+ACKNOWLEDGED = frozenset({GENERATE})
+RECEIPT_HEADER = "Baton-Receipt"
+SENDER_HEADER = "Baton-Sender"
+RECEIPT_SUFFIX = ".receipt"
 
 # --- between routers (every router, no queue group): the owner of a request acts on a cancel ---
 ROUTER_CANCEL = f"{INTERNAL}.router.cancel"

@@ -21,7 +21,7 @@ from baton.shared.kv.codec import from_plain, to_plain
 from baton.shared.kv.manifest import Manifest
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.transfer.agent import PeerInfo
-from baton.shared.transfer.regions import Region
+from baton.shared.transfer.regions import regions_of
 
 log = logging.getLogger("baton.worker")
 HEARTBEAT_S = 1.0  # the load in heartbeats is at most this old (router balancing, tests' leak checks)
@@ -49,12 +49,6 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{self.role}-{uuid.uuid4().hex[:10]}")
-
-
-def regions_of(manifest: Manifest) -> list[Region]:
-    """NIXL regions of a manifest: one per component (item-major: every layer in each item)."""
-    return [Region(comp.name, i, r.addr, r.nbytes, r.item_bytes)
-            for comp in manifest.components for i, r in enumerate(comp.regions)]
 
 
 class EngineThread:

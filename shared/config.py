@@ -106,6 +106,9 @@ class RouterSection:
 class RegistrySection:
     replicas: int = key(1, "replicas of the workers' JetStream KV bucket (3 in a 3-node NATS cluster, so the "
                            "registry's state survives a node); an existing bucket is changed to this", between(1, 5))
+    check_metadata: bool = key(True, "load each registering worker's NIXL metadata as a peer would and refuse "
+                               "it if it does not load, names another agent or lacks the manifest's memory; "
+                               "needs the workers' UCX addresses reachable from the registry")
 
 
 @dataclass(frozen=True)

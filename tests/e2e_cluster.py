@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from baton.proto import subjects
+from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import LookupReply, LookupRequest
 from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
@@ -63,14 +64,22 @@ async def worker_loads(url: str) -> dict[str, tuple]:
 async def wait_all_free(url: str, timeout_s: float = 20.0, min_requests: int = 0) -> dict:
     """Until every worker reports all pages and slots free and the decode workers together report
     at least `min_requests` requests taken. Heartbeats carry the loads; the first read waits until
-    they are newer than the call, so a stale "all free" cannot pass."""
+    they are newer than the call, so a stale "all free" cannot pass. A lookup that gets no answer
+    (a NATS route still recovering from a partition, a registry restarting) is asked again."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     await asyncio.sleep(HEARTBEAT_S * 1.5)  # every load read from now on was sent after the work ended
+    loads: dict | BatonError = {}
     while True:
-        loads = await worker_loads(url)
-        taken = sum(v[6] for v in loads.values() if v[0] == "decode")
-        if taken >= min_requests and all(v[1] == v[2] and v[3] == v[4] for v in loads.values()):
-            return loads
+        try:
+            loads = await worker_loads(url)
+        except BatonError as exc:
+            if exc.code not in (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE):
+                raise
+            loads = exc
+        else:
+            taken = sum(v[6] for v in loads.values() if v[0] == "decode")
+            if taken >= min_requests and all(v[1] == v[2] and v[3] == v[4] for v in loads.values()):
+                return loads
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"capacity did not return to full: {loads}")
         await asyncio.sleep(0.25)

@@ -474,9 +474,14 @@ def start_service(host: Host, role: str, nats_url: str, args: Sequence[str] = ()
     return host.popen(serve_command(role, nats_url, args), label=label, env=env)
 
 
+def logs(topology: Topology, tail: int = 4000) -> str:
+    """The last `tail` characters of every log of the topology's services and servers."""
+    return "".join(f"--- {path.name} ---\n{path.read_text(errors='replace')[-tail:]}\n"
+                   for path in sorted(topology.log_dir.glob("*.log")))
+
+
 def print_logs(topology: Topology, tail: int = 4000) -> None:
-    for path in sorted(topology.log_dir.glob("*.log")):
-        print(f"--- {path.name} ---\n{path.read_text(errors='replace')[-tail:]}")
+    print(logs(topology, tail))
 
 
 class BatonOnHosts:

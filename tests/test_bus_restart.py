@@ -14,7 +14,8 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import CancelReply, CancelRequest, GenerateRequest
 from baton.shared.bus import Bus
 from baton.shared.bus.server import NatsServer
-from test_bus_stream import chunk
+from nats_proxy import SwallowingProxy
+from test_bus_stream import chunk, last_chunk
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 SUBJECT = "test.restart"
@@ -97,4 +98,54 @@ def test_a_request_sent_while_the_server_is_down_is_served_once_the_service_is_b
                 asked = asyncio.create_task(client.request(SUBJECT, CancelRequest(request_id="r2"), CancelReply, 30))
                 await asyncio.to_thread(server.restart)  # the client is back first, the service up to 1 s later
                 assert (await asked).request_id == "r2"
+    asyncio.run(scenario())
+
+
+def test_an_answer_lost_with_its_connection_is_sent_again_on_the_next_one():
+    """The answer went into a socket that then died (issue 29's 15 s cut: the router replied on its
+    connection to the cut-off server a second before nats-py gave up on it, and 2 unary clients
+    waited 180 s for nothing). Now a unary answer waits for the server's PONG after it and, if the
+    connection is lost first, goes again on the next one."""
+    async def scenario():
+        with NatsServer() as server:
+            proxy = SwallowingProxy(server.url)
+            async with proxy as service_url, await Bus.connect(server.url, "client") as client, \
+                    await Bus.connect(service_url, "service", reconnect_wait_s=0.05) as service:
+                async def answer(request: CancelRequest) -> CancelReply:
+                    proxy.swallow = True  # the answer is the next thing the service sends
+                    return CancelReply(request_id=request.request_id, cancelled=True)
+                await service.serve(SUBJECT, CancelRequest, answer)
+                reply = await client.request(SUBJECT, CancelRequest(request_id="r3"), CancelReply, 15)
+                assert proxy.swallowed.is_set() and reply == CancelReply(request_id="r3", cancelled=True)
+                assert service.connection.stats["reconnects"] >= 1
+    asyncio.run(scenario())
+
+
+def test_a_stream_whose_last_chunk_is_lost_with_its_connection_ends_unavailable():
+    """The stream's last chunk went into a socket that then died. A client without Baton's
+    liveness probe would wait for an end that never comes, and Baton's own was told "the router is
+    gone", which it is not. Now the end of a stream waits for the server's PONG after it and, if
+    the connection is lost first, the client is told on the next one that the end may be lost."""
+    async def scenario():
+        with NatsServer() as server:
+            proxy = SwallowingProxy(server.url)
+            async with proxy as service_url, await Bus.connect(server.url, "client") as client, \
+                    await Bus.connect(service_url, "service", reconnect_wait_s=0.05) as service:
+                first_arrived = asyncio.Event()
+
+                async def two_chunks(request):
+                    yield chunk(0)
+                    await asyncio.wait_for(first_arrived.wait(), 10)
+                    proxy.swallow = True  # the last chunk is the next thing the service sends
+                    yield last_chunk()
+                await service.serve(SUBJECT, GenerateRequest, two_chunks)
+                got = []
+                with pytest.raises(BatonError) as raised:
+                    async with client.stream_request(SUBJECT, GenerateRequest(prompt="x"), type(chunk(0)),
+                                                     30) as chunks:
+                        async for item in chunks:
+                            got.append(item)
+                            first_arrived.set()
+                assert proxy.swallowed.is_set() and got == [chunk(0)]
+                assert raised.value.code is ErrorCode.UNAVAILABLE and "last chunks" in raised.value.message
     asyncio.run(scenario())

@@ -61,7 +61,10 @@ class Stack:
 
     def __init__(self) -> None:
         self.http, self.nats, monitor = free_port(), free_port(), free_port()
-        self.env = {**os.environ, "BATON_HTTP_PUBLISH": str(self.http), "BATON_NATS_PUBLISH": str(self.nats),
+        # not the loopback pin of the test processes (conftest.py): each container is a host of its
+        # own, and compose's UCX_NET_DEVICES default (all) is what lets them reach each other
+        host_env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+        self.env = {**host_env, "BATON_HTTP_PUBLISH": str(self.http), "BATON_NATS_PUBLISH": str(self.nats),
                     "BATON_NATS_MONITOR_PUBLISH": str(monitor)}
         self.client_url = f"nats://{CLIENT}@127.0.0.1:{self.nats}"
         self.service_url = f"nats://{SERVICE}@127.0.0.1:{self.nats}"  # internal subjects: worker loads

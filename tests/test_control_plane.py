@@ -99,6 +99,34 @@ def test_a_second_decode_with_a_live_worker_id_is_refused_and_every_output_stays
         asyncio.run(wait_all_free(cluster.nats_url))
 
 
+def test_a_prefill_with_broken_nixl_metadata_is_refused_at_registration_and_exits(reference, monkeypatch):
+    """A worker whose NIXL metadata does not load used to be registered and looked up; its first
+    request then failed at decode (which loads it to talk back). Now the registry loads it first."""
+    prompts = [prompt(30 + 7 * i, 140 + i) for i in range(4)]
+    with running_cluster(prefill=1, decode=1) as cluster:
+        async def run():
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
+                before = await registered(bus)
+                with monkeypatch.context() as patch:
+                    patch.setenv("BATON_TRANSFER_FAULTS", "metadata=truncate")
+                    cluster.spawn("prefill", WORKER_ARGS, cluster.log_dir)
+                broken = cluster.children[-1][1]
+                exited = asyncio.get_running_loop().run_in_executor(None, broken.wait, 240)
+                results = []
+                while not exited.done():  # requests flow while it starts, is refused and exits
+                    results += await asyncio.gather(*(outcome(bus, p, 24) for p in prompts))
+                results += await asyncio.gather(*(outcome(bus, p, 24) for p in prompts))
+                return await exited, results, before, await registered(bus)
+        code, results, before, after = asyncio.run(run())
+        log = (Path(cluster.log_dir) / f"prefill-{len(cluster.children) - 1}.log").read_text()
+        assert code != 0 and "bad_request" in log and "NIXL metadata" in log, log[-2000:]
+        assert after == before, (before, after)
+        for i, reply in enumerate(results):
+            assert_exact(reference, tuple(prompts[i % len(prompts)]), reply, 24)
+        print(f"{len(results)} requests exact while the broken prefill started and exited with {code}")
+        asyncio.run(wait_all_free(cluster.nats_url))
+
+
 async def worker_events(bus: Bus) -> list:
     """Every WorkerEvent published from now on (appended as they come)."""
     got: list = []

@@ -19,6 +19,9 @@ from baton.shared.bus.server import NatsServer
 from baton.shared.kv import KVStore
 from baton.shared.kv.codec import to_plain
 from baton.shared.model.config import FULL, SLIDING, ModelConfig
+from baton.shared.transfer import nixl_ops
+from baton.shared.transfer.nixl_thread import NixlThread
+from baton.shared.transfer.regions import RegionTable, regions_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 CFG = ModelConfig(vocab_size=64, hidden_size=6, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
@@ -27,10 +30,43 @@ CFG = ModelConfig(vocab_size=64, hidden_size=6, intermediate_size=8, num_attenti
 LOAD = WorkerLoad(free_pages=16, free_slots=2, active_requests=0, queued_prompt_tokens=0)
 
 
+class Worker:
+    """A worker's KV memory registered with a NIXL agent of the worker's name, as in a real worker:
+    its registration carries metadata the registry can load (metadata_check.py)."""
+
+    def __init__(self, worker_id: str, role: str):
+        self.store = KVStore(CFG, mode="ring", num_pages=16, page_size=4, num_slots=2, max_draft_tokens=3)
+        self.manifest = self.store.manifest(worker_id, "sha256:m", role)
+        self.nixl = NixlThread(worker_id)
+        self._reg, self._items, self.metadata = self.nixl.call(
+            nixl_ops.register, RegionTable(regions_of(self.manifest), worker_id))
+
+    def close(self) -> None:
+        self.nixl.call(nixl_ops.deregister, self._reg, self._items)
+        self._reg = self._items = None
+        self.nixl.close()
+
+
+WORKERS: dict[tuple[str, str], Worker] = {}  # one per (worker id, role), closed at the module's end
+
+
+@pytest.fixture(scope="module", autouse=True)
+def close_workers():
+    yield
+    while WORKERS:
+        WORKERS.popitem()[1].close()
+
+
+def worker(worker_id: str, role: str = "decode") -> Worker:
+    if (worker_id, role) not in WORKERS:
+        WORKERS[worker_id, role] = Worker(worker_id, role)
+    return WORKERS[worker_id, role]
+
+
 def registration(worker_id: str, role: str = "decode", instance: str = "i1") -> WorkerRegistration:
-    store = KVStore(CFG, mode="ring", num_pages=16, page_size=4, num_slots=2, max_draft_tokens=3)
+    w = worker(worker_id, role)
     return WorkerRegistration(worker_id=worker_id, instance_id=instance, role=role,
-                              manifest=to_plain(store.manifest(worker_id, "sha256:m", role)), nixl_metadata=b"",
+                              manifest=to_plain(w.manifest), nixl_metadata=w.metadata,
                               capacity=Capacity(total_pages=16, page_size=4, total_slots=2, max_seq_len=64))
 
 
@@ -176,6 +212,60 @@ def test_an_instance_cannot_change_its_registration():
             reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
             assert [w.registration for w in reply.workers] == [first]
     asyncio.run(run())
+
+
+def test_a_worker_whose_nixl_metadata_a_peer_could_not_use_is_refused_at_registration():
+    """Broken metadata used to be accepted and published: the first request to or from that worker
+    then failed when its peer loaded it. Now the registry loads it as a peer would."""
+    async def run():
+        async with registry() as (reg, bus):
+            good = registration("prefill-m", role="prefill")
+            other = worker("prefill-n", role="prefill")
+            elsewhere = [dict(c, regions=[dict(r, addr=r["addr"] + (1 << 40)) for r in c["regions"]])
+                         for c in good.manifest["components"]]
+            loads_not = ("does not load",)
+            broken = [  # (change, what the refusal says)
+                ({"nixl_metadata": b""}, loads_not),
+                ({"nixl_metadata": b"not NIXL metadata at all"}, loads_not),
+                # cut in half: NIXL's parser refuses it (some other corruptions crash it: below)
+                ({"nixl_metadata": good.nixl_metadata[:len(good.nixl_metadata) // 2]},
+                 ("does not load", "crashed NIXL's loader")),
+                ({"nixl_metadata": other.metadata}, ("belongs to agent 'prefill-n'",)),
+                ({"manifest": {**good.manifest, "components": elsewhere}},
+                 ("regions are not memory its NIXL agent registered",)),
+            ]
+            for change, why in broken:
+                error = await refusal(bus, subjects.REGISTER, WorkerRegistration(**{**good.__dict__, **change}),
+                                      RegisterReply)
+                assert error.code is ErrorCode.BAD_REQUEST and any(w in error.message for w in why), (why, error)
+                assert "prefill prefill-m" in error.message, error
+            assert await registered(bus) == []
+            await bus.request(subjects.REGISTER, good, RegisterReply)  # the real one is accepted
+            assert await registered(bus) == [("prefill-m", "i1")]
+    asyncio.run(run())
+
+
+def test_the_metadata_check_refuses_what_kills_its_process_and_starts_a_new_one():
+    """NIXL's parser segfaults on some corrupted blobs (which ones depends on the bytes: a garbled
+    tail did at one address and not at another), so the check runs in a child process. Here the
+    child dies in the middle of a check, deterministically, by SIGKILL."""
+    import os
+    import signal
+    from baton.shared.transfer.metadata_check import MetadataCheck
+
+    async def run():
+        w = worker("prefill-k", role="prefill")
+        check = MetadataCheck()
+        await check.start()
+        try:
+            regions = regions_of(w.manifest)
+            assert await check.problem("prefill-k", w.metadata, regions) == ""
+            os.kill(check._child.pid, signal.SIGKILL)
+            assert "crashed NIXL's loader" in await check.problem("prefill-k", w.metadata, regions)
+            assert await check.problem("prefill-k", w.metadata, regions) == ""  # a new child
+        finally:
+            await check.close()
+    asyncio.run(asyncio.wait_for(run(), 60))
 
 
 def test_after_its_own_pause_the_registry_restarts_every_lease_instead_of_expiring_them():

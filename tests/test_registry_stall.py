@@ -8,7 +8,7 @@ import pytest
 from baton.proto import subjects
 from baton.proto.internal import HeartbeatReply, RegisterReply
 from baton.services.registry.service import RegistryConfig
-from test_registry import beat, events, registered, registration, registry
+from test_registry import beat, close_workers, events, registered, registration, registry  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 CONFIG = RegistryConfig(lease_s=0.5, sweep_s=0.05, stall_grace_s=3.0, probe_s=0.1)

@@ -1,5 +1,6 @@
 """The router's waiting queue (pure logic: no bus, capacity given by hand)."""
 import asyncio
+import time
 
 import pytest
 
@@ -115,4 +116,19 @@ def test_a_refused_request_is_retried_even_when_the_timer_fires_a_tick_early():
         q.refused("a")  # decode had no room yet: "a" waits at the head, paused for RETRY_S
         q._paused_until += 3600  # as if the retry timer ran before the pause's end by the clock
         assert await asyncio.wait_for(q.enter("a"), 5)
+    asyncio.run(run())
+
+
+def test_a_request_refused_again_and_again_times_out_at_max_queue_s_from_when_it_began_waiting():
+    """Decode (or a missing prefill) refuses it every time it is admitted: each wait is short, but
+    together they are bounded by max_queue_s (before, every refusal started a fresh max_queue_s,
+    so such a request could wait, silent, for as long as the refusals went on)."""
+    async def run():
+        q = queue(capacity=1, max_queue_s=30.0)
+        began = time.monotonic() - 30.5  # it has been refused for 30.5 s already
+        assert await q.enter("a", began)  # room: admitted, however long it waited
+        q.refused("a")  # and refused once more: its next wait is over at once (before RETRY_S)
+        with pytest.raises(BatonError) as late:
+            await asyncio.wait_for(q.enter("a", began), 5)  # not 30 s more
+        assert late.value.code is ErrorCode.TIMEOUT and not q.waiting
     asyncio.run(run())

@@ -1,10 +1,11 @@
 """The router's relay rules for one attempt (pure logic: events are fed by hand)."""
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.errors import BatonError, ErrorCode, NotListening
 from baton.proto.internal import PrefillDone, SamplingParams, TokenChunk
 from baton.proto.public import Logprobs, SpecStats, Timing
 from baton.services.router.affinity import PrefixAffinity
@@ -101,7 +102,7 @@ class SilentBus:
     def __init__(self) -> None:
         self.asked = asyncio.Event()
 
-    async def request(self, subject, message, reply_cls, timeout):
+    async def request(self, subject, message, reply_cls, timeout, joined_at=None):
         self.asked.set()
         await asyncio.sleep(timeout)
         raise BatonError(ErrorCode.TIMEOUT, f"no reply from {subject} within {timeout} s")
@@ -116,6 +117,32 @@ def test_a_target_sent_to_a_prefill_that_leaves_is_lost_at_its_left_event_not_at
         f.worker_left("p", "lease expired")
         with pytest.raises(AttemptLost, match="worker p left"):
             await asyncio.wait_for(target, 2)  # not the 60 s first-token timeout
+    asyncio.run(run())
+
+
+class AnsweringBus:
+    """Answers every request at once with an Ack, recording the timeout it was given."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    async def request(self, subject, message, reply_cls, timeout):
+        self.timeouts.append(timeout)
+        return reply_cls()
+
+
+def test_the_first_token_timeout_bounds_an_attempt_from_its_admission_not_each_stage_anew():
+    """An attempt admitted 59.9 s ago (first_token_s = 60): the target request gets what is left of
+    the 60 s, and the relay then waits only that long for the first token (before, each of them
+    waited the whole first_token_s again, so a slow prefill left a stream silent for 2-3x it)."""
+    async def run():
+        f = Flow(AnsweringBus(), None, None, RouterTimeouts(first_token_s=60), "r", [1, 2], 4, SamplingParams(), None)
+        f.prefill_id, f.decode_id = "p", "d"
+        f._first_token_by = time.monotonic() + 0.1  # what _admit set 59.9 s ago
+        await f._target(SimpleNamespace(decode_worker_id="d", allocation={}), {})
+        assert f.bus.timeouts and f.bus.timeouts[0] <= 0.1
+        with pytest.raises(BatonError, match="no token within 60 s of its admission"):
+            await asyncio.wait_for(relay(f), 10)  # not another 60 s
     asyncio.run(run())
 
 
@@ -220,3 +247,124 @@ def test_a_follow_up_turn_goes_to_the_prefill_that_holds_its_prefix_unless_its_q
         SimpleNamespace(registration=SimpleNamespace(worker_id=first, role="prefill"),
                         load=SimpleNamespace(queued_prompt_tokens=1000, draining=False))]
     assert f._pick_prefill(f.directory.of_role("prefill")) == other  # 1000 queued tokens outweigh 96 cached
+
+
+class OneDecode:
+    """The part of the router's Directory `_reserve` reads: one decode worker, `d`."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, int] = {}
+
+    async def known(self, role: str) -> list:
+        return [SimpleNamespace(registration=SimpleNamespace(worker_id="d"), load=SimpleNamespace(free_slots=4,
+                                                                                                  free_pages=64))]
+
+    async def plan(self, prefill_id: str, decode_id: str) -> dict:
+        return {"pairs": [], "draft_state": "transfer"}
+
+    def joined_at(self, worker_id: str) -> float:
+        return 0.0
+
+    def outstanding(self, worker_id: str) -> int:
+        return 0
+
+    def add_outstanding(self, worker_id: str, amount: int) -> None:
+        self.held[worker_id] = self.held.get(worker_id, 0) + amount
+
+
+class FailingBus:
+    def __init__(self, error: BatonError) -> None:
+        self.error = error
+
+    async def request(self, subject, message, reply_cls, timeout, joined_at=None):
+        raise self.error
+
+
+def test_an_internal_error_from_decode_loses_the_attempt_so_it_is_retried_on_other_workers():
+    """decode could not serve this pair (e.g. it cannot load the prefill's transfer metadata): the
+    request is not at fault, so the attempt is lost (retried once elsewhere), not the request."""
+    broken = BatonError(ErrorCode.INTERNAL, "reserve failed: ValueError: bad metadata")
+    f = Flow(FailingBus(broken), OneDecode(), None, RouterTimeouts(), "r", [1, 2], 4, SamplingParams(), None)
+    with pytest.raises(AttemptLost) as lost:
+        asyncio.run(f._reserve("p"))
+    assert lost.value.error is broken and f.directory.held == {"d": 0}
+    refused = BatonError(ErrorCode.BAD_REQUEST, "max_tokens too large")  # the request's own fault: not retried
+    f = Flow(FailingBus(refused), OneDecode(), None, RouterTimeouts(), "r", [1, 2], 4, SamplingParams(), None)
+    with pytest.raises(BatonError) as raised:
+        asyncio.run(f._reserve("p"))
+    assert raised.value is refused
+
+
+def test_a_prefill_found_not_listening_is_never_picked_again_until_it_leaves():
+    """The target went to a prefill whose process is gone ("no responders"): the retry does not
+    pick it again (before, with no other prefill, it was picked again and the request failed at
+    once); the request waits in the queue instead, and once that prefill has left, a worker
+    registering under its id is a new process and may be picked."""
+    f = Flow(None, Prefills(p=(0, False)), None, RouterTimeouts(), "r", [1], 4, SamplingParams(), None)
+    f.prefill_id, f.decode_id = "p", "d"
+    lost = AttemptLost(NotListening("no service is listening on baton.internal.v1.prefill.p.target"), "p")
+    f._gone |= {lost.gone}
+    with pytest.raises(NoCapacity):
+        f._pick_prefill(f.directory.of_role("prefill"))
+    f.worker_left("p", "lease expired")
+    assert f._pick_prefill(f.directory.of_role("prefill")) == "p"
+
+
+def test_a_target_that_finds_nobody_listening_names_the_prefill_gone():
+    async def run():
+        f = Flow(FailingBus(NotListening("no service is listening on x")), None, None, RouterTimeouts(), "r", [1], 4,
+                 SamplingParams(), None)
+        f.prefill_id, f.decode_id = "p", "d"
+        with pytest.raises(AttemptLost) as lost:
+            await f._target(SimpleNamespace(decode_worker_id="d", allocation={}), {})
+        assert lost.value.gone == "p"
+        f = Flow(FailingBus(BatonError(ErrorCode.TIMEOUT, "no reply")), None, None, RouterTimeouts(), "r", [1], 4,
+                 SamplingParams(), None)
+        f.prefill_id, f.decode_id = "p", "d"
+        with pytest.raises(AttemptLost) as lost:
+            await f._target(SimpleNamespace(decode_worker_id="d", allocation={}), {})
+        assert lost.value.gone is None  # a silent prefill may only be slow
+    asyncio.run(run())
+
+
+class LateReplyingBus:
+    """Answers a dispatch `delay_s` after it is sent, as a prefill that sees its WRITE complete
+    after decode has already streamed the whole request."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    async def request(self, subject, message, reply_cls, timeout, joined_at=None):
+        await asyncio.sleep(self.delay_s)
+        return PrefillDone(request_id="r", first_token_id=5, transfer_bytes=1, prefill_ms=1.0, transfer_ms=1.0,
+                           cached_tokens=7)
+
+
+def prefilling(bus, prefill_report_s: float = 1.0) -> Flow:
+    f = Flow(bus, SimpleNamespace(joined_at=lambda _: None, add_outstanding=lambda *_: None), None,
+             RouterTimeouts(first_token_s=60, prefill_report_s=prefill_report_s), "r", [1, 2], 4,
+             SamplingParams(), None)
+    f._prefill_task = asyncio.create_task(f._prefill("p"))
+    return f
+
+
+def test_a_request_decode_finished_before_prefill_replied_still_gets_prefill_counts():
+    """Under load decode saw the WRITE, streamed 24 tokens and finished before prefill's reply
+    (cached tokens, timing) reached the router: the client's usage said 0 cached tokens."""
+    async def run():
+        f = prefilling(LateReplyingBus(0.2))
+        await relay(f, ("chunk", chunk(0, [5], True)))
+        return f
+    f = asyncio.run(run())
+    assert f.outcome.finish_reason == "length" and f.prefill_done is not None and f.prefill_done.cached_tokens == 7
+
+
+def test_a_prefill_that_never_replies_delays_the_end_of_a_finished_request_only_by_prefill_report_s(caplog):
+    async def run():
+        f = prefilling(SilentBus(), prefill_report_s=0.2)
+        got = await asyncio.wait_for(relay(f, ("chunk", chunk(0, [5], True))), 10)  # not first_token_s (60)
+        f._prefill_task.cancel()
+        return f, got
+    f, got = asyncio.run(run())
+    assert got == [[5]] and f.outcome.finish_reason == "length" and f.prefill_done is None
+    assert "prefill's reply did not come within 0.2 s" in caplog.text

@@ -21,7 +21,7 @@ from baton.shared.model.config import FULL as F, SLIDING as S, ModelConfig
 pytestmark = pytest.mark.integration
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed (pip install -e '.[transfer]')")
 
-from baton.services.worker import regions_of  # noqa: E402
+from baton.shared.transfer.regions import regions_of  # noqa: E402
 from baton.shared.transfer import Descriptor, EventKind, TransferAgent  # noqa: E402
 
 W, PS, K = 16, 4, 3  # ring rows R = W + K = 19

@@ -13,7 +13,7 @@ from baton.shared.transfer import (AUX_KEY, ArrivalEvent, ArrivalTracker, Descri
 from baton.shared.transfer.nixl_ops import Xfer, cancel
 from baton.shared.transfer.nixl_thread import _Inbox
 from baton.shared.transfer.notices import Kind, Notice, decode
-from baton.shared.transfer.regions import RegionTable, resolve, write_tag
+from baton.shared.transfer.regions import RegionTable, _resolve_vectorised, _whole_items, resolve, write_tag
 
 pytestmark = pytest.mark.unit
 
@@ -58,6 +58,71 @@ def test_whole_items_of_every_component_resolve_to_one_batch_of_prepared_indices
     assert batch.components == (AUX_KEY, "full")
     assert batch.by_item and batch.nbytes == 64 + 768
     assert list(batch.local) == [8, 6, 7, 1] and list(batch.remote) == [9, 4, 5, 3]
+
+
+def test_an_aux_prefix_goes_as_its_whole_row_in_the_one_batch_of_whole_items():
+    """A real plan sends the aux row's header and the hidden rows it needs: a prefix of the row.
+    It used to be a second WRITE of byte ranges (two one-off lists, a post, a notification)."""
+    local, remote = table("me"), table("peer", base=BASE << 1)
+    [batch] = resolve([Descriptor(AUX_KEY, 0, 64, 128, 24), Descriptor("full", 1, 512, 0, 512)], local, remote)
+    assert batch.by_item and batch.components == (AUX_KEY, "full") and batch.nbytes == 64 + 512
+    assert list(batch.local) == [9, 6, 7] and list(batch.remote) == [10, 4, 5]
+    off_row = resolve([Descriptor(AUX_KEY, 0, 72, 136, 24)], local, remote)  # not on a row: a range
+    assert [(b.by_item, b.nbytes) for b in off_row] == [(False, 24)]
+
+
+def same_batches(a: list, b: list) -> bool:
+    return [(x.components, x.nbytes, x.by_item, x.local.tolist(), x.remote.tolist()) for x in a] == \
+        [(x.components, x.nbytes, x.by_item, x.local.tolist(), x.remote.tolist()) for x in b]
+
+
+def test_the_plain_python_path_for_small_plans_agrees_with_the_vectorised_one():
+    """`resolve` tries `_whole_items` first for small plans; it must give the same batches, or
+    decline (None) and leave the plan, errors included, to the vectorised path."""
+    rng = np.random.default_rng(7)
+    local, remote = table("me"), table("peer", base=BASE << 1)
+    taken = 0
+    for _ in range(3000):
+        descriptors = [Descriptor(AUX_KEY, 0, 64 * int(rng.integers(0, 4)) + int(rng.choice([0, 0, 0, 8])),
+                                  64 * int(rng.integers(0, 4)), int(rng.choice([64, 24, 8, 4])))]
+        for _ in range(int(rng.integers(0, 4))):
+            descriptors.append(Descriptor("full", int(rng.integers(0, 3)), int(rng.choice([0, 256, 512, 100])),
+                                          int(rng.choice([0, 256, 768])), int(rng.choice([256, 512, 88, 0]))))
+        rng.shuffle(descriptors)
+        try:
+            want = _resolve_vectorised(descriptors, local, remote)
+        except DescriptorError:
+            want = None
+        got = _whole_items(descriptors, local, remote)
+        if got is not None:
+            taken += 1
+            assert want is not None and same_batches(got, want), descriptors
+        if want is None:
+            with pytest.raises(DescriptorError):
+                resolve(descriptors, local, remote)
+        else:
+            assert same_batches(resolve(descriptors, local, remote), want), descriptors
+    assert taken > 300, taken
+
+
+@pytest.mark.parametrize("mode", ["ring", "paged"])
+def test_real_plans_take_the_plain_python_path(mode):
+    """A worker's plans (whole pages, ring slots, the aux prefix) are what the fast path is for."""
+    from baton.shared.kv.plan import make_plan
+    from baton.shared.kv.store import KVStore
+    from baton.shared.transfer.regions import regions_of
+    from test_kv_plan import CFG
+    kw = dict(mode=mode, num_pages=64, page_size=4, num_slots=8, max_draft_tokens=3)
+    src, dst = KVStore(CFG, draft_enabled=True, **kw), KVStore(CFG, draft_enabled=True, **kw)
+    ms, md = src.manifest("p", "fp", role="prefill"), dst.manifest("d", "fp", role="decode")
+    plan, lt, rt = make_plan(ms, md), RegionTable(regions_of(ms), "p"), RegionTable(regions_of(md), "d")
+    for n, length in enumerate((1, 3, 4, 9, 30)):
+        for store in (src, dst):
+            store.allocate(f"r{n}", length + 4)
+            store.extend(f"r{n}", length)
+        descriptors = plan.descriptors(length, src.allocation(f"r{n}"), dst.allocation(f"r{n}"))
+        got = _whole_items(descriptors, lt, rt)
+        assert got is not None and same_batches(got, _resolve_vectorised(descriptors, lt, rt)), length
 
 
 def test_partial_items_go_as_byte_ranges_next_to_the_whole_items():
@@ -109,9 +174,12 @@ def test_notice_round_trip_and_malformed_input():
 def test_faults_from_env(monkeypatch):
     monkeypatch.setenv("BATON_TRANSFER_FAULTS", "delay=0.5, drop=aux")
     assert Faults.from_env() == Faults(0.5, None, "aux")
-    monkeypatch.setenv("BATON_TRANSFER_FAULTS", "explode=1")
-    with pytest.raises(ValueError, match="BATON_TRANSFER_FAULTS"):
-        Faults.from_env()
+    monkeypatch.setenv("BATON_TRANSFER_FAULTS", "metadata=truncate")
+    assert Faults.from_env() == Faults(metadata="truncate")
+    for bad in ("explode=1", "metadata=garble"):
+        monkeypatch.setenv("BATON_TRANSFER_FAULTS", bad)
+        with pytest.raises(ValueError, match="BATON_TRANSFER_FAULTS"):
+            Faults.from_env()
     monkeypatch.delenv("BATON_TRANSFER_FAULTS")
     assert Faults.from_env() == Faults()
 

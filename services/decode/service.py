@@ -36,8 +36,8 @@ from baton.shared.transfer.arrivals import EventKind
 from baton.shared.metrics import ServiceMetrics, Stamps, log_request
 
 from baton.shared.transfer.notices import request_tag
-from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration,
-                      regions_of)
+from baton.shared.transfer.regions import regions_of
+from ..worker import EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration
 
 log = logging.getLogger("baton.decode")
 

@@ -40,9 +40,9 @@ from baton.shared.transfer.regions import Descriptor
 from baton.shared.metrics import ServiceMetrics, log_request
 
 from baton.shared.transfer.notices import request_tag
+from baton.shared.transfer.regions import regions_of
 from .jobs import Job, Jobs, Target
-from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration,
-                      regions_of)
+from ..worker import EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration
 
 log = logging.getLogger("baton.prefill")
 PLAN_CACHE = 64  # decoded transfer plans kept (one per decode peer; decoding one costs ~0.4 ms)

@@ -36,6 +36,8 @@ from baton.shared.kv.manifest import Manifest, ManifestError, validate_manifest
 from baton.shared.kv.plan import make_plan
 from baton.shared.metrics import ServiceMetrics
 from baton.shared.model.config import ModelConfig
+from baton.shared.transfer.metadata_check import MetadataCheck
+from baton.shared.transfer.regions import regions_of
 
 log = logging.getLogger("baton.registry")
 BUCKET = "baton_workers"
@@ -53,6 +55,9 @@ class RegistryConfig:
     # lists as subscribed (a stalled process, not a dead one: its connection is open) stays registered
     probe_s: float = 0.5  # how long the liveness probe of a silent worker waits for an answer
     replicas: int = 1  # of the workers' bucket (a NATS cluster: 3)
+    check_metadata: bool = True  # load each registration's NIXL metadata as a peer would (metadata_check.py):
+    # needs the workers' UCX addresses reachable from the registry; off for a registry outside the data network
+    check_timeout_s: float = 10.0  # one metadata check, the checking process's start-up included
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,10 @@ class Lease:
 
 
 class Registry:
-    def __init__(self, bus: Bus, kv: KeyValue, model: ModelConfig, config: RegistryConfig) -> None:
+    def __init__(self, bus: Bus, kv: KeyValue, model: ModelConfig, config: RegistryConfig,
+                 metadata_check: MetadataCheck | None = None) -> None:
         self.bus, self.kv, self.model, self.config = bus, kv, model, config
+        self.metadata_check = metadata_check
         self.leases: dict[str, Lease] = {}
         self._revisions: dict[str, int] = {}  # newest revision applied per key, deletions included
         self._plans: dict[tuple[str, str, int, int], dict] = {}  # (p, d, revisions) -> plan
@@ -77,7 +84,10 @@ class Registry:
 
     @classmethod
     async def open(cls, bus: Bus, model: ModelConfig, config: RegistryConfig = RegistryConfig()) -> "Registry":
-        registry = cls(bus, await open_bucket(bus.connection.jetstream(), config.replicas), model, config)
+        check = MetadataCheck(config.check_timeout_s) if config.check_metadata else None
+        if check is not None:
+            await check.start()
+        registry = cls(bus, await open_bucket(bus.connection.jetstream(), config.replicas), model, config, check)
         await registry._load()
         return registry
 
@@ -99,6 +109,8 @@ class Registry:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._watcher is not None:
             await self._watcher.stop()
+        if self.metadata_check is not None:
+            await self.metadata_check.close()
 
     # --- handlers ---------------------------------------------------------------------------
     async def register(self, reg: WorkerRegistration) -> RegisterReply:
@@ -112,6 +124,8 @@ class Registry:
             if lease.info.registration != reg:
                 raise bad_request(f"instance {reg.instance_id} of {reg.worker_id} registered again with another "
                                   "manifest or capacity; a registration never changes while its instance lives")
+        else:
+            await self._check_metadata(reg, manifest)
         load = WorkerLoad(free_pages=reg.capacity.total_pages, free_slots=reg.capacity.total_slots,
                           active_requests=0, queued_prompt_tokens=0)
         try:
@@ -276,6 +290,19 @@ class Registry:
         except (CodecError, ManifestError) as exc:
             raise bad_request(f"manifest of {reg.worker_id} refused: {exc}")
         return manifest
+
+    async def _check_metadata(self, reg: WorkerRegistration, manifest: Manifest) -> None:
+        """Refuse a registration whose NIXL metadata a peer could not use, before anyone looks it up."""
+        if self.metadata_check is None:
+            return
+        try:
+            problem = await self.metadata_check.problem(reg.worker_id, reg.nixl_metadata, regions_of(manifest))
+        except asyncio.TimeoutError:
+            raise BatonError(ErrorCode.UNAVAILABLE, f"the check of {reg.worker_id}'s NIXL metadata took over "
+                             f"{self.config.check_timeout_s}s; try again") from None
+        if problem:
+            self.metrics.requests.labels("refused_metadata").inc()
+            raise bad_request(f"registration of {reg.role} {reg.worker_id} refused: {problem}")
 
     @staticmethod
     def _check_instance(lease: Lease, instance_id: str, what: str) -> None:

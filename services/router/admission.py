@@ -35,9 +35,11 @@ class AdmissionQueue:
         self._paused_until = 0.0
         self._retry: asyncio.TimerHandle | None = None
 
-    async def enter(self, request_id: str) -> bool:
+    async def enter(self, request_id: str, since: float | None = None) -> bool:
         """Until `request_id` is admitted (True) or cancelled while waiting (False). Raises busy when
-        the queue is full, timeout after `max_queue_s`. A refused request waits at the head."""
+        the queue is full, timeout once it has waited `max_queue_s` since `since` (time.monotonic();
+        default now: a request refused again and again counts its waits together). A refused
+        request waits at the head."""
         if request_id in self.admitted:
             return True
         refused = request_id in self.waiting
@@ -50,7 +52,7 @@ class AdmissionQueue:
         self.metrics.queued.set(len(self.waiting))
         started = time.monotonic()
         try:
-            async with asyncio.timeout(self.max_queue_s):
+            async with asyncio.timeout(max(self.max_queue_s - (started - (since or started)), 0.0)):
                 return await future
         except TimeoutError:
             raise BatonError(ErrorCode.TIMEOUT, f"no capacity within {self.max_queue_s:g} s in the queue "

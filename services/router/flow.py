@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable
 
 from baton.proto import subjects
-from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.errors import BatonError, ErrorCode, NotListening
 from baton.proto.internal import (Ack, PrefillDispatch, PrefillDone, PrefillTarget, ReleaseRequest,
                                   ReserveReply, ReserveRequest, SamplingParams, TokenChunk)
 from baton.proto.public import Logprobs
@@ -38,6 +38,7 @@ class RouterTimeouts:
     reconnect_s: float = 10.0  # silence allowed once the router's NATS connection came back: what was
     # sent around the reconnect may be lost (decode ends a request whose chunks found no inbox)
     control_s: float = 5.0  # one control round trip (reserve, release)
+    prefill_report_s: float = 1.0  # a finished request's wait for prefill's late reply (its usage counts)
 
 
 @dataclass
@@ -50,11 +51,12 @@ class Outcome:
 
 class AttemptLost(Exception):
     """The current attempt failed before its first token (prefill or its transfer lost, a worker
-    gone): nothing reached the client yet, so the request may start over on another pair."""
+    gone): nothing reached the client yet, so the request may start over on another pair.
+    `gone`: the attempt's worker that nobody listens for any more (NotListening), if that is why."""
 
-    def __init__(self, error: BatonError) -> None:
+    def __init__(self, error: BatonError, gone: str | None = None) -> None:
         super().__init__(error.message)
-        self.error = error
+        self.error, self.gone = error, gone
 
 
 class NoCapacity(Exception):
@@ -105,14 +107,17 @@ class Flow:
         self.cancelled = ""  # why the client cancelled, once it did
         self.migrated_after = 0  # tokens sent before decode was lost and the request moved on
         self._tasks: list[asyncio.Task] = []
+        self._prefill_task: asyncio.Task | None = None  # the dispatch, until prefill's reply (PrefillDone)
         self._released = False
         self._targeted = False  # prefill was told where to write (else it must be released)
         self._lost = asyncio.Event()  # set when a worker of this attempt left (its error in self._lost_error)
         self._lost_error: BatonError | None = None
         self._prefilled = False
         self._avoid: set[str] = set()  # workers of a failed attempt, skipped by the retry when possible
+        self._gone: set[str] = set()  # workers found not listening: never picked again, until they leave
         self._held: dict[str, int] = {}  # load this flow counts against workers in the directory
         self._prefill_work = len(token_ids)  # prompt tokens the picked prefill should compute (its cache has the rest)
+        self._first_token_by: float | None = None  # time.monotonic() by which the attempt's first token is due
         self._attempts = 0  # attempts after the first (a retry, or a wait after decode had no room)
         self.workers: dict[str, str] = {}  # id -> role of every worker asked, hidden from the client
 
@@ -134,6 +139,7 @@ class Flow:
         """A worker this request depends on is gone: end the request (or retry it, if no token
         was sent yet) now instead of at a timeout. Prefill matters only until decode streams."""
         error = BatonError(ErrorCode.UNAVAILABLE, f"request {self.request_id}: worker {worker_id} left ({reason})")
+        self._gone.discard(worker_id)  # one registering under this id again is a new process
         if worker_id == self.decode_id:
             self.events.put_nowait(("decode_lost", error))
         elif worker_id == self.prefill_id and not self._prefilled:
@@ -154,13 +160,15 @@ class Flow:
         sent, the max_tokens left)."""
         sent: list[int] = []
         retried = False
+        queued_since = time.monotonic()  # since when it waits for room (decode or prefill refusals included)
         try:
             while True:
                 try:
-                    if self.cancelled or not await self.admission.enter(self.request_id):
+                    if self.cancelled or not await self.admission.enter(self.request_id, queued_since):
                         self.outcome.finish_reason = "abort"
                         return
                     await self._admit()
+                    queued_since = None  # it got its room; a retry after a lost attempt waits anew
                     async for ids, logprobs in self._relay():
                         sent += ids
                         yield ids, logprobs
@@ -172,8 +180,9 @@ class Flow:
                 except AttemptLost as lost:
                     if retried or len(sent) >= self.max_tokens:
                         raise lost.error
-                    retried = True
+                    retried, queued_since = True, time.monotonic()
                     self._avoid = {self.prefill_id, self.decode_id} - {None}
+                    self._gone |= {lost.gone} - {None}
                     await self._end_attempt("attempt lost")
                     self._new_attempt_id()
                     if sent:  # decode lost mid-stream: continue after what the client has
@@ -207,6 +216,7 @@ class Flow:
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
+        self._prefill_task = None
         for worker_id in list(self._held):
             self._unhold(worker_id)
         if self.outcome.finish_reason not in ("length", "stop"):
@@ -229,16 +239,21 @@ class Flow:
     # --- admission ------------------------------------------------------------------------
     async def _admit(self) -> None:
         self.at.mark("admit")
+        self._first_token_by = time.monotonic() + self.timeouts.first_token_s  # for every stage before it
         self.stream_subject = self.token_inbox.open(self.events)
         self.prefill_id = self._pick_prefill(await self.directory.known("prefill"))
         self.workers[self.prefill_id] = "prefill"
         self._hold(self.prefill_id, self._prefill_work)  # counted now, so concurrent picks spread out
-        self._tasks.append(asyncio.create_task(self._prefill(self.prefill_id), name=f"prefill {self.request_id}"))
+        self._prefill_task = asyncio.create_task(self._prefill(self.prefill_id), name=f"prefill {self.request_id}")
+        self._tasks.append(self._prefill_task)
         await asyncio.sleep(0)  # the dispatch (the critical path) goes out before the reservation
         reservation, plan = await self._reserve(self.prefill_id)
         await self._target(reservation, plan)
 
     def _prefer_others(self, workers: list) -> list:
+        """`workers` but those found gone; those of a failed attempt only if there is no other.
+        Without one, the request waits in the queue (a gone worker's successor registers)."""
+        workers = [w for w in workers if w.registration.worker_id not in self._gone]
         others = [w for w in workers if w.registration.worker_id not in self._avoid]
         return others or workers
 
@@ -246,7 +261,7 @@ class Flow:
         workers = self._prefer_others([w for w in registered if not w.load.draining])
         if not workers:  # one may register (a restart): wait in the queue, bounded by its timeout
             log.info("request %s waits: %s", self.request_id, "no prefill worker is registered" if not registered
-                     else f"all {len(registered)} prefill workers are stopping")
+                     else f"all {len(registered)} prefill workers are stopping or gone")
             raise NoCapacity()
         affinity = self.directory.affinity
         overlap = affinity.overlap(self.token_ids)
@@ -263,7 +278,7 @@ class Flow:
                          key=lambda w: (w.load.free_slots == 0,
                                         self.directory.outstanding(w.registration.worker_id), -w.load.free_pages))
         if not decodes:  # one may register (a restart): wait in the queue, bounded by its timeout
-            log.info("request %s waits: no decode worker is registered", self.request_id)
+            log.info("request %s waits: no decode worker is registered (or every one is gone)", self.request_id)
             raise NoCapacity()
         last, room_may_come = None, False
         for worker in decodes:
@@ -282,11 +297,15 @@ class Flow:
             except BatonError as exc:
                 self._unhold(decode_id)
                 last = exc
+                if isinstance(exc, NotListening):
+                    self._gone.add(decode_id)
                 room_may_come |= exc.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT)
                 if exc.code is ErrorCode.TIMEOUT:  # a stalled decode may still reserve it once it wakes up
                     await self._forget_reservation(decode_id)
                 if exc.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.TOO_LARGE):
                     continue  # too_large: this decode could never hold it, another may
+                if exc.code is ErrorCode.INTERNAL:  # e.g. decode could not load this prefill's metadata:
+                    raise AttemptLost(exc) from None  # the pair failed, not the request; retried on others
                 raise
             self.at.mark("reserved")
             self.decode_id = decode_id
@@ -326,11 +345,18 @@ class Flow:
             await self._unless_lost(self.bus.request(subjects.prefill_target(self.prefill_id), PrefillTarget(
                 request_id=self.attempt_id, decode_worker_id=reservation.decode_worker_id,
                 decode_allocation=reservation.allocation, transfer_plan=plan), Ack,
-                timeout=self.timeouts.first_token_s))  # as long as the dispatch may take: prefill may be stalled
+                timeout=self._until_first_token()))  # as long as the dispatch may take: prefill may be stalled
         except BatonError as exc:
-            raise AttemptLost(exc) from None
+            raise AttemptLost(exc, self.prefill_id if isinstance(exc, NotListening) else None) from None
         self._targeted = True
         self.at.mark("targeted")
+
+    def _until_first_token(self) -> float:
+        """Seconds left before the attempt's first token is due: first_token_s bounds the attempt's
+        dispatch, target and first chunk together, not each of them (all of it before `_admit` set it)."""
+        if self._first_token_by is None:
+            return self.timeouts.first_token_s
+        return max(self._first_token_by - time.monotonic(), 0.0)
 
     async def _unless_lost(self, request: Awaitable):
         """`request`'s answer, or its BatonError; the error of a worker of this attempt that left
@@ -359,15 +385,17 @@ class Flow:
         held: list[TokenChunk] = []
         suspect = False  # since the last reconnect nothing came: what we wait for may have been lost
         while True:
-            limit = self.timeouts.idle_s if got_first else self.timeouts.first_token_s
+            limit = self.timeouts.idle_s if got_first else self._until_first_token()
             limit = min(limit, self.timeouts.reconnect_s) if suspect else limit
             remaining = min(limit, self.timeouts.request_s - (time.monotonic() - started))
             try:
                 async with asyncio.timeout(max(remaining, 0.0)):  # unlike wait_for, no task per event
                     kind, value = await self.events.get()
             except TimeoutError:
-                error = BatonError(ErrorCode.TIMEOUT, f"request {self.request_id}: no token within "
-                                   f"{limit if remaining > 0 else self.timeouts.request_s:g} s")
+                whole, first = remaining < limit, not (got_first or suspect)
+                within = (f"{self.timeouts.request_s:g} s" if whole else
+                          f"{self.timeouts.first_token_s:g} s of its admission" if first else f"{limit:g} s")
+                error = BatonError(ErrorCode.TIMEOUT, f"request {self.request_id}: no token within {within}")
                 if suspect:
                     raise (DecodeLost(error) if got_first else AttemptLost(error)) from None
                 raise DecodeLost(error) if got_first and remaining >= limit else error from None
@@ -391,7 +419,8 @@ class Flow:
             if kind == "decode_lost" and got_first:
                 raise DecodeLost(value)
             if kind in ("error", "prefill_error", "decode_lost"):
-                raise value if got_first else AttemptLost(value)
+                gone = self.prefill_id if kind == "prefill_error" and isinstance(value, NotListening) else None
+                raise value if got_first else AttemptLost(value, gone)
             ready: list[TokenChunk] = []
             if kind == "prefilled" and self._awaits_prompt_logprobs():
                 self.prompt_logprobs = value.prompt_logprobs or Logprobs()
@@ -416,7 +445,20 @@ class Flow:
                     self.outcome.spec = {"verify_steps": chunk.spec.verify_steps, "drafted": chunk.spec.drafted,
                                          "accepted": chunk.spec.accepted}
                     self._released = chunk.finish_reason != "error"
+                    await self._prefill_reply()
                     return
+
+    async def _prefill_reply(self) -> None:
+        """Wait a little for prefill's reply if decode finished first: prefill answers once it sees
+        its WRITE complete, which decode may see sooner, and a short request can be done by then.
+        Its counts (the cached prompt tokens in the client's usage, the request log's timing)
+        would be lost when the attempt ends."""
+        task = self._prefill_task
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=self.timeouts.prefill_report_s)
+            if not task.done():
+                log.warning("request %s: prefill's reply did not come within %g s of the last token; "
+                            "answered without its counts", self.request_id, self.timeouts.prefill_report_s)
 
     async def _release(self, reason: str, finish_reason: str = "abort") -> None:
         if self._released or self.decode_id is None:

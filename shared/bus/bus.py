@@ -12,6 +12,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.limits import DEFAULT_LIMITS, Limits
 
@@ -109,6 +110,8 @@ class Bus:
         cluster propagates them over its routes), and the request is sent again."""
         data = encode_for(subject, message, self._nc.max_payload)
         settling = self.settling(joined_at)
+        if subject in subjects.ACKNOWLEDGED:
+            return await self._request_with_receipt(subject, data, reply_cls, timeout, settling)
         with nats_errors_mapped(subject, timeout):
             while True:
                 try:
@@ -119,6 +122,16 @@ class Bus:
                         raise
                 await asyncio.sleep(0.1)
         return decode_reply_from(subject, msg.data, reply_cls, self.limits)
+
+    async def _request_with_receipt(self, subject: str, data: bytes, reply_cls: type[M], timeout: float,
+                                    settling: Callable[[], bool]) -> M:
+        """`request` to a subject in `subjects.ACKNOWLEDGED`, as a one-message ReplyStream: sent
+        again until a server acknowledges it, then that server is pinged while the reply is awaited
+        (unavailable within seconds once it is gone), and only its reply counts."""
+        stream = ReplyStream(self._nc, reply_cls, timeout, self.limits, (subject, data), self._streams.discard,
+                             lambda: settling, one_reply=True)
+        async with self._track(stream):
+            return await stream.__anext__()
 
     def settling(self, joined_at: float = 0.0) -> Callable[[], bool]:
         """For a request sent now: whether a "no responders" answer may only mean that the server

@@ -8,7 +8,7 @@ from typing import Any, Iterator, TypeVar
 import nats.errors
 
 from baton.proto.codec import decode_reply, encode
-from baton.proto.errors import BatonError, ErrorCode, ErrorReply
+from baton.proto.errors import BatonError, ErrorCode, ErrorReply, NotListening
 from baton.proto.limits import Limits
 
 M = TypeVar("M")
@@ -53,7 +53,7 @@ def nats_errors_mapped(subject: str, timeout: float | None = None) -> Iterator[N
     try:
         yield
     except nats.errors.NoRespondersError:
-        raise BatonError(ErrorCode.UNAVAILABLE, f"no service is listening on {subject}") from None
+        raise NotListening(f"no service is listening on {subject}") from None
     except asyncio.TimeoutError:  # nats.errors.TimeoutError included
         raise BatonError(ErrorCode.TIMEOUT, f"no reply from {subject} within {timeout:g} s") from None
     except nats.errors.MaxPayloadError:
@@ -61,3 +61,16 @@ def nats_errors_mapped(subject: str, timeout: float | None = None) -> Iterator[N
     except NOT_CONNECTED as exc:
         raise BatonError(ErrorCode.UNAVAILABLE,
                          f"cannot reach NATS for {subject}: {type(exc).__name__} {exc}".rstrip()) from None
+
+
+async def gone(nc, probe: str, timeout: float) -> bool:
+    """Whether the sender whose probe subject is `probe` is gone: nats-server answers a ping to it
+    with "no responders". A live sender's subscription takes the ping and ignores it (a timeout
+    here), as does a NATS that cannot be reached for now."""
+    try:
+        await nc.request(probe, b"", timeout=timeout)
+    except nats.errors.NoRespondersError:
+        return True
+    except (asyncio.TimeoutError, nats.errors.Error):
+        pass
+    return False

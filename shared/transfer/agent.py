@@ -89,6 +89,8 @@ class TransferAgent:
 
     def metadata(self) -> bytes:
         """Our NIXL agent metadata (connection info and registered memory) for the registry."""
+        if self._sender.faults.metadata == "truncate":
+            return self._metadata[:len(self._metadata) // 2]
         return self._metadata
 
     async def __aenter__(self) -> TransferAgent:

@@ -6,6 +6,8 @@ Set through `TransferAgent(faults=...)`, by assigning `agent.faults`, or for a w
   abort or deadline during the delay does not stop it (the worst case for the receiver).
 - `fail`: do not post the WRITE that carries this component and report it as a NIXL error.
 - `drop`: post the WRITE that carries this component without its notification.
+- `metadata=truncate`: the agent publishes only the first half of its NIXL metadata (a worker
+  whose registration the registry must refuse: metadata_check.py).
 (A request goes as one WRITE of whole items and maybe one of byte ranges, each carrying several
 components: `regions.resolve`.)
 """
@@ -22,6 +24,7 @@ class Faults:
     delay_s: float = 0.0
     fail: str | None = None
     drop: str | None = None
+    metadata: str | None = None
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -32,8 +35,9 @@ class Faults:
         fields: dict[str, str] = {}
         for item in spec.split(","):
             key, sep, value = item.partition("=")
-            if not sep or key.strip() not in ("delay", "fail", "drop"):
-                raise ValueError(f"{ENV_VAR}: expected delay=SECONDS, fail=COMPONENT or "
-                                 f"drop=COMPONENT, got {item!r}")
-            fields[key.strip()] = value.strip()
-        return cls(float(fields.get("delay", 0.0)), fields.get("fail"), fields.get("drop"))
+            key, value = key.strip(), value.strip()
+            if not sep or key not in ("delay", "fail", "drop", "metadata") or (key == "metadata" and value != "truncate"):
+                raise ValueError(f"{ENV_VAR}: expected delay=SECONDS, fail=COMPONENT, drop=COMPONENT or "
+                                 f"metadata=truncate, got {item!r}")
+            fields[key] = value
+        return cls(float(fields.get("delay", 0.0)), fields.get("fail"), fields.get("drop"), fields.get("metadata"))

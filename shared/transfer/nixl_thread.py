@@ -19,7 +19,9 @@ after a call, and every IDLE_PROGRESS_S otherwise — each wake-up takes the GIL
 thread, and at 1 kHz that cost a decode step ~1.5 ms (docs/benchmarks.md, issue 21) — and hands
 them to the sink (`set_sink`);
 (2) checks the state of posted WRITEs (`post`; progresses them), from WATCH_FIRST_S backing off
-to WATCH_MAX_S; once none is in flight it releases their handles and calls their callback.
+to WATCH_MAX_S; once none is in flight it calls their callback, then releases their handles
+(before any call queued after the callback ran: the handles are gone by the time a caller
+woken by it can ask this thread for anything).
 Sink and callbacks run on this thread: they must be thread safe (e.g. `loop.call_soon_threadsafe`).
 
 Teardown: the agent is destroyed (UCX torn down) when its last reference goes, and that must
@@ -111,7 +113,7 @@ class NixlThread:
 
     def post(self, fn: Callable[..., Any], xfers: list, done: Callable[[], None], *args: Any) -> None:
         """Post `xfers` (`nixl_ops.Xfer`s) with `fn(agent, *args, xfers)`, then keep their `state`
-        fresh; once none is "PROC", release their handles and call `done()` on the NIXL thread.
+        fresh; once none is "PROC", call `done()` on the NIXL thread and release their handles.
         One queue item: a WRITE that finished inside `fn` (cma copies in the call) is done at once."""
         self.submit(self._post, fn, xfers, done, args)
 
@@ -186,11 +188,11 @@ class NixlThread:
         finished = [w for w in self._watched if all(x.state != "PROC" for x in w.xfers)]
         for w in finished:
             self._watched.remove(w)
-            release(agent, w.xfers)
             try:
-                w.done()
+                w.done()  # first: the handles are released before this thread runs anything queued after it
             except Exception:
                 log.exception("WRITE completion callback failed")
+            release(agent, w.xfers)
         return self._watched
 
     def _progress(self, agent: Any) -> None:

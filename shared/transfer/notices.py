@@ -5,7 +5,7 @@ comma-separated)`:
 
 - `WRITTEN` (prefill -> decode, carried by a WRITE): WRITE `part` of the `parts` WRITEs of request
   `tag` has landed; it carried `components` (a request goes as one or two WRITEs: whole items,
-  then byte ranges).
+  then byte ranges if any descriptor is not on item boundaries; a worker's plans are one).
 - `FAILED`  (prefill -> decode): the writes for `tag` ended with an error; none is in flight.
 - `ABORT`   (decode -> prefill): decode gives up on `tag`; please stop and acknowledge.
 - `ABORTED` (prefill -> decode): acknowledgement; no write for `tag` is in flight or will start.

@@ -59,7 +59,7 @@ class Destination:
 class _Write:
     peer: str
     wake: asyncio.Future  # done once the WRITEs landed or the write was asked to stop (halt)
-    landed: asyncio.Future  # done once no WRITE is in flight and their handles are released
+    landed: asyncio.Future  # done once no WRITE is in flight (their handles go next on the NIXL thread)
     stop: str = ""  # why to stop early ("" = don't); set it with halt()
     abort_requested: bool = False  # the receiver sent ABORT: acknowledge it at the end
     done: asyncio.Event = field(default_factory=asyncio.Event)
