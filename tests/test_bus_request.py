@@ -1,16 +1,18 @@
-"""Bus request/reply against a real nats-server: replies, error mapping, bad input, stats."""
+"""Bus request/reply against a real nats-server: replies, error mapping, bad input, stats, deadlines across a pause."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import msgpack
+import nats
 import pytest
 
-from baton.proto.codec import decode_reply
+from baton.proto.codec import decode_reply, encode
 from baton.proto.errors import BatonError, ErrorCode, ErrorReply
 from baton.proto.internal import PlanReply, PlanRequest
-from baton.proto.public import CancelReply, CancelRequest, GenerateRequest
+from baton.proto.public import CancelReply, CancelRequest, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
 
 pytestmark = pytest.mark.integration
@@ -88,6 +90,66 @@ def test_silence_is_timeout(nats_server):
             assert raised.value.code is ErrorCode.TIMEOUT
             await bus.close(grace_s=0.1)  # cancels the sleeping handler
     run(scenario, nats_server)
+
+
+async def unary(client: Bus):
+    return await client.request(SUBJECT, CancelRequest(request_id="p"), CancelReply, timeout=0.5)
+
+
+async def first_chunk(client: Bus):
+    async with client.stream_request(SUBJECT, GenerateRequest(prompt="x", stream=True), StreamChunk, 0.5) as chunks:
+        return await anext(chunks)
+
+
+PAUSED_REPLIES = {unary: CancelReply(request_id="p", cancelled=True),
+                  first_chunk: StreamChunk(request_id="p", token_ids=[1], text="a")}
+
+
+@pytest.mark.parametrize("ask", [unary, first_chunk], ids=["request", "stream"])
+def test_a_reply_that_arrived_while_the_process_was_paused_is_not_reported_as_a_timeout(nats_server, ask):
+    """A deadline that passes while the process is stopped (SIGSTOP, a stalled VM) fires late, in
+    the same loop turn as the socket read that carries the reply: the reply, already here, wins.
+    The responder runs on its own thread and NATS connection; the requester's loop is blocked
+    (its process "paused") from before the reply is sent until the reply is on the wire and the
+    request's deadline has passed."""
+    received, paused, replied, stop = (threading.Event() for _ in range(4))
+
+    def respond(ready: threading.Event) -> None:
+        async def serve():
+            nc = await nats.connect(nats_server)
+
+            async def on_request(msg) -> None:
+                received.set()
+                await asyncio.to_thread(paused.wait, 10)
+                await msg.respond(encode(PAUSED_REPLIES[ask]))
+                await nc.flush()
+                replied.set()
+            await nc.subscribe(SUBJECT, cb=on_request)
+            await nc.flush()
+            ready.set()
+            await asyncio.to_thread(stop.wait, 20)
+            await nc.close()
+        asyncio.run(serve())
+
+    ready = threading.Event()
+    responder = threading.Thread(target=respond, args=(ready,), daemon=True)
+    responder.start()
+    assert ready.wait(10)
+
+    async def scenario(url):
+        async with await connected(url) as client:
+            asked = asyncio.create_task(ask(client))
+            sent_at = time.monotonic()
+            assert await asyncio.to_thread(received.wait, 5)
+            paused.set()  # from here this loop is blocked, as in a stopped process
+            assert replied.wait(5)
+            time.sleep(max(0.0, sent_at + 0.8 - time.monotonic()))  # the deadline passes while paused
+            assert await asyncio.wait_for(asked, 5) == PAUSED_REPLIES[ask]
+    try:
+        run(scenario, nats_server)
+    finally:
+        stop.set()
+        responder.join(10)
 
 
 def test_oversize_request_is_too_large_before_publishing(nats_server):

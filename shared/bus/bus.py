@@ -16,6 +16,7 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.limits import DEFAULT_LIMITS, Limits
 
+from .deadline import within
 from .endpoint import Endpoint, Handler
 from .stream import ReplyStream
 from .wire import decode_reply_from, encode_for, nats_errors_mapped
@@ -114,8 +115,8 @@ class Bus:
             return await self._request_with_receipt(subject, data, reply_cls, timeout, settling)
         with nats_errors_mapped(subject, timeout):
             while True:
-                try:
-                    msg = await self._nc.request(subject, data, timeout=timeout)
+                try:  # nats-py's own timer off (None): ours gives a reply that came during a pause its chance
+                    msg = await within(self._nc.request(subject, data, timeout=None), timeout)
                     break
                 except nats.errors.NoRespondersError:
                     if not settling():

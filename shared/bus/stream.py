@@ -16,6 +16,7 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.limits import Limits
 
+from .deadline import GRACE_S, PAUSE_S
 from .wire import connection_epoch, decode_reply_from, gone, nats_errors_mapped
 
 log = logging.getLogger(__name__)
@@ -118,11 +119,14 @@ class ReplyStream(Generic[M]):
         loop = asyncio.get_running_loop()
         with nats_errors_mapped(self._request_subject, self._timeout):
             while True:
+                wait_s, waited_from = max(min(self._liveness_s, deadline - loop.time()), 1e-3), loop.time()
                 try:
-                    return await self._sub.next_msg(timeout=max(min(self._liveness_s, deadline - loop.time()), 1e-3))
+                    return await self._sub.next_msg(timeout=wait_s)
                 except nats.errors.TimeoutError:
                     if loop.time() >= deadline:
-                        raise
+                        if loop.time() - (waited_from + wait_s) < PAUSE_S:
+                            raise
+                        deadline = loop.time() + GRACE_S  # paused past it: what came meanwhile is still unread
                     self._check_connection()
                     self._check_sender()
                     if self._receipts and self._sender is None and loop.time() - self._sent_at >= RECEIPT_S:
