@@ -20,6 +20,9 @@ CANCEL = f"{PUBLIC}.cancel"
 ACKNOWLEDGED = frozenset({GENERATE})
 RECEIPT_HEADER = "Baton-Receipt"
 SENDER_HEADER = "Baton-Sender"
+# who a request to an ACKNOWLEDGED subject is from (a connection, or a frontend's own client), for
+# fair shares among clients (shared/bus/senders.py)
+CLIENT_HEADER = "Baton-Client"
 RECEIPT_SUFFIX = ".receipt"
 
 # --- between routers (every router, no queue group): the owner of a request acts on a cancel ---

@@ -12,6 +12,7 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import GenerateReply, GenerateRequest, SpecStats, StreamChunk, Timing, Usage
 from baton.shared.bus import Bus
+from baton.shared.bus.senders import acting_for, request_sender
 from baton.shared.bus.server import NatsServer
 from nats_proxy import FrameDroppingProxy
 
@@ -142,3 +143,30 @@ def test_a_router_gone_before_its_first_reply_is_noticed_through_the_receipt(str
                     await asyncio.wait_for(call, 20)
                 assert raised.value.code is ErrorCode.UNAVAILABLE and "gone" in raised.value.message
     asyncio.run(scenario())
+
+
+def test_a_handler_knows_which_client_sent_the_request(nats_server):
+    """Each connection names itself on baton.v1.generate (subjects.CLIENT_HEADER); a frontend
+    names its own client instead (`acting_for`); the handler reads it (`request_sender`), as the
+    router's fair tokenization does."""
+    async def scenario():
+        async with await Bus.connect(nats_server, "router") as router, \
+                await Bus.connect(nats_server, "one") as one, await Bus.connect(nats_server, "two") as two:
+            senders = []
+
+            async def unary(request):
+                senders.append(request_sender.get())
+                return reply([7])
+
+            async def on_behalf(name: str) -> None:
+                acting_for.set(name)
+                await one.request(subjects.GENERATE, REQUEST, GenerateReply, timeout=10)
+
+            await router.serve(subjects.GENERATE, GenerateRequest, unary)
+            await one.request(subjects.GENERATE, REQUEST, GenerateReply, timeout=10)
+            await two.request(subjects.GENERATE, REQUEST, GenerateReply, timeout=10)
+            await asyncio.create_task(on_behalf("http 10.0.0.7"))
+            await one.request(subjects.GENERATE, REQUEST, GenerateReply, timeout=10)  # acting_for was that task's
+            assert senders == [one.client_id, two.client_id, "http 10.0.0.7", one.client_id]
+            assert one.client_id != two.client_id
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -34,6 +34,7 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
+from baton.shared.bus.senders import acting_for
 from baton.shared.config import Config
 
 from . import api
@@ -125,6 +126,7 @@ class Frontend:
         header_id = request.headers.get("X-Request-Id")
         call = api.with_request_id(call, header_id if header_id and REQUEST_ID.fullmatch(header_id) else None)
         started = time.monotonic()
+        acting_for.set(f"http {request.remote}")  # the router's fair share of tokenization is per peer address
         if call.stream:
             response = await self._stream(request, call, route, started)
         else:

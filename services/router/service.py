@@ -7,7 +7,6 @@ import asyncio
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -18,6 +17,7 @@ from baton.proto.internal import SamplingParams
 from baton.proto.public import (CancelReply, CancelRequest, GenerateReply, GenerateRequest, Logprobs, SpecStats,
                                 StreamChunk, Timing, Usage, check_logprob_size)
 from baton.shared.bus import Bus
+from baton.shared.bus.senders import request_sender
 from baton.shared.model.config import ModelConfig
 from baton.shared.model.tokenizer import TextTokenizer
 
@@ -27,12 +27,12 @@ from .admission import AdmissionQueue
 from .affinity import PrefixAffinity
 from .directory import Directory
 from .flow import Flow, RouterTimeouts
+from .tokenize import FairTokenizer
 from .tokens import TokenInbox
 from .text import TextStream
 
 log = logging.getLogger("baton.router")
 EARLY_CANCEL_KEEP_S = 30.0  # how long a cancel for a not-yet-seen request id is remembered
-TOKENIZE_THREADS = 2  # prompts tokenized at once; more wait their turn without holding the loop
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,7 @@ class Router:
         self.metrics = ServiceMetrics("router")
         self.admission = AdmissionQueue(self._decode_slots, config.max_queued, config.max_queue_s, self.metrics)
         self._tasks: list[asyncio.Task] = []
-        # tokenization runs here, off the event loop (the tokenizer releases the GIL meanwhile)
-        self._tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self._tokenize = FairTokenizer(tokenizer.encode)  # off the event loop, a fair share per client
 
     async def start(self) -> None:
         self.metrics.serve_from_env()
@@ -76,7 +75,7 @@ class Router:
         self.admission.close()
         for flow in self.flows.values():
             flow.cancel("router shutting down")
-        self._tokenize.shutdown(wait=False, cancel_futures=True)
+        self._tokenize.close()
 
     # --- handlers -------------------------------------------------------------------------
     def generate(self, req: GenerateRequest):
@@ -133,7 +132,7 @@ class Router:
     async def _prepare(self, req: GenerateRequest) -> tuple[GenerateRequest, str, list[int]]:
         if req.prompt is not None:
             self._check_context(self.tokenizer.min_tokens(req.prompt), req.max_tokens, "at least ")
-            ids = await asyncio.get_running_loop().run_in_executor(self._tokenize, self.tokenizer.encode, req.prompt)
+            ids = await self._tokenize.encode(request_sender.get(), req.prompt)
             if not ids:
                 raise bad_request("field 'prompt': encodes to no tokens")
         else:

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import ssl
 import time
+import uuid
 from typing import Any, Awaitable, Callable, TypeVar
 
 import nats
@@ -18,6 +19,7 @@ from baton.proto.limits import DEFAULT_LIMITS, Limits
 
 from .deadline import within
 from .endpoint import Endpoint, Handler
+from .senders import acting_for
 from .stream import ReplyStream
 from .wire import decode_reply_from, encode_for, nats_errors_mapped
 
@@ -40,6 +42,7 @@ class Bus:
         self.endpoints: list[Endpoint] = []
         self._nc = nc
         self._streams: set[ReplyStream] = set()
+        self.client_id = uuid.uuid4().hex[:12]  # names this connection's requests (senders.py)
         self.on_reconnected: list[Callable[[], None]] = []  # called once the connection is back
 
     @classmethod
@@ -130,7 +133,7 @@ class Bus:
         again until a server acknowledges it, then that server is pinged while the reply is awaited
         (unavailable within seconds once it is gone), and only its reply counts."""
         stream = ReplyStream(self._nc, reply_cls, timeout, self.limits, (subject, data), self._streams.discard,
-                             lambda: settling, one_reply=True)
+                             lambda: settling, one_reply=True, client=self._client())
         async with self._track(stream):
             return await stream.__anext__()
 
@@ -167,7 +170,10 @@ class Bus:
         """
         data = encode_for(subject, message, self._nc.max_payload)
         return self._track(ReplyStream(self._nc, chunk_cls, timeout_per_message, self.limits,
-                                       (subject, data), self._streams.discard, self.settling))
+                                       (subject, data), self._streams.discard, self.settling, client=self._client()))
+
+    def _client(self) -> str:
+        return acting_for.get() or self.client_id
 
     async def subscribe(self, subject: str, callback: Callable[[Msg], Awaitable[None]]) -> Subscription:
         """A raw subscription (`callback(msg)` per message, in order), known to the server on return."""

@@ -21,6 +21,7 @@ from baton.proto.codec import decode
 from baton.proto.errors import BatonError, ErrorCode, ErrorReply
 from baton.proto.limits import Limits
 
+from .senders import request_sender, sender_of
 from .wire import connection_epoch, encode_for
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class Endpoint:
     async def _handle(self, msg: Msg) -> None:
         started, code, request = time.perf_counter(), None, None
         epoch = connection_epoch(self._nc)
+        request_sender.set(sender_of(msg))  # this task's (and its handler's) context only
         try:
             request = decode(msg.data, self._request_cls, self._limits)
             result = self._handler(request)

@@ -43,11 +43,12 @@ class ReplyStream(Generic[M]):
     def __init__(self, nc: Client, cls: type[M], timeout_per_message: float, limits: Limits,
                  request: tuple[str, bytes], on_close: Callable[["ReplyStream"], None],
                  settling: Callable[[], Callable[[], bool]] = lambda: lambda: False, liveness_s: float = 2.0,
-                 one_reply: bool = False):
-        """`one_reply`: the first reply ends it (Bus.request to an ACKNOWLEDGED subject)."""
+                 one_reply: bool = False, client: str = ""):
+        """`one_reply`: the first reply ends it (Bus.request to an ACKNOWLEDGED subject). `client`:
+        who the request is from (senders.py), named with receipts."""
         if not one_reply and "finished" not in {f.name for f in fields(cls)}:
             raise TypeError(f"{cls.__name__} has no 'finished' field to end a stream")
-        self._one_reply = one_reply
+        self._one_reply, self._client = one_reply, client
         self._receipts = request[0] in subjects.ACKNOWLEDGED
         inbox = nc.new_inbox()  # receipts: replies on `<inbox>.r`, the receipt on `<inbox>.r.receipt`
         self.subject, self._listen = (f"{inbox}.r", f"{inbox}.>") if self._receipts else (inbox, inbox)
@@ -133,7 +134,7 @@ class ReplyStream(Generic[M]):
                         await self._send()  # lost on the way, or its receipt was: a server takes it once
 
     async def _send(self) -> None:
-        headers = {subjects.RECEIPT_HEADER: "1"} if self._receipts else None
+        headers = {subjects.RECEIPT_HEADER: "1", subjects.CLIENT_HEADER: self._client} if self._receipts else None
         self._sent_at = asyncio.get_running_loop().time()
         with nats_errors_mapped(self._request_subject):
             await self._nc.publish(self._request_subject, self._request_data, reply=self.subject, headers=headers)
