@@ -7,10 +7,10 @@ import time
 import pytest
 
 from baton.proto import subjects
-from baton.proto.codec import decode
+from baton.proto.codec import decode, encode
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, Capacity, Deregistration, Heartbeat, HeartbeatReply, LookupReply, LookupRequest,
-                                  RegisterReply, WorkerEvent, WorkerLoad, WorkerRegistration)
+                                  RegisterReply, WorkerEvent, WorkerInfo, WorkerLoad, WorkerRegistration)
 from baton.services.registry.service import BUCKET, Registry, RegistryConfig
 from baton.services.router.directory import Directory
 from baton.services.worker import on_worker_left
@@ -185,6 +185,38 @@ def test_a_second_live_instance_of_a_worker_id_is_refused_and_a_restarted_one_ac
             assert (event.kind, event.reason) == ("left", "lease expired")
             await bus.request(subjects.REGISTER, registration("decode-x", instance="i3"), RegisterReply)
             assert await registered(bus) == [("decode-x", "i3")]
+    asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_a_write_of_the_registry_that_landed_after_its_timeout_is_not_taken_for_another_instance():
+    """Across a network cut the registry's heartbeat writes to JetStream timed out and then landed:
+    the entry's revision moved on without the registry seeing its own write (nor, yet, the watch
+    delivering it). The next heartbeat, and the worker's re-registration, used to be refused as if
+    another instance held the id (`duplicate_worker`), and both workers of a healed cluster exited.
+    Now the entry is read again: this instance's own is written over; another instance's is still
+    refused."""
+    async def run():
+        async with registry(RegistryConfig(lease_s=30.0, sweep_s=0.05)) as (reg, bus):
+            own = registration("decode-w")
+            await bus.request(subjects.REGISTER, own, RegisterReply)
+            watch, reg._on_entry = reg._on_entry, lambda entry: None  # the watch lags, as across the cut
+
+            async def landed_behind_its_back(info: WorkerInfo) -> None:
+                entry = await reg.kv.get("decode-w")
+                await reg.kv.update("decode-w", encode(info), entry.revision)
+            await landed_behind_its_back(WorkerInfo(registration=own, load=LOAD))
+            assert (await bus.request(subjects.HEARTBEAT, beat("decode-w"), HeartbeatReply)).registered
+            await landed_behind_its_back(WorkerInfo(registration=own, load=LOAD))
+            await bus.request(subjects.REGISTER, own, RegisterReply)  # what the worker does after registered=False
+            assert await registered(bus) == [("decode-w", "i1")]
+            assert decode((await reg.kv.get("decode-w")).value, WorkerInfo).registration == own
+
+            other = registration("decode-w", instance="i2")
+            await landed_behind_its_back(WorkerInfo(registration=other, load=LOAD))
+            assert not (await bus.request(subjects.HEARTBEAT, beat("decode-w"), HeartbeatReply)).registered
+            error = await refusal(bus, subjects.REGISTER, own, RegisterReply)
+            assert error.code is ErrorCode.DUPLICATE_WORKER, error
+            reg._on_entry = watch
     asyncio.run(asyncio.wait_for(run(), 60))
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, BadRequestError, KeyWrongLastSequenceError
+from nats.js.errors import APIError, BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from baton.proto import subjects
@@ -130,9 +130,10 @@ class Registry:
                           active_requests=0, queued_prompt_tokens=0)
         try:
             await self._put(WorkerInfo(registration=reg, load=load), last=lease.revision if lease else 0)
-        except KeyWrongLastSequenceError:  # registered meanwhile, here or at another registry
-            raise BatonError(ErrorCode.DUPLICATE_WORKER, f"worker {reg.worker_id} was registered by another "
-                             f"instance while instance {reg.instance_id} registered") from None
+        except KeyWrongLastSequenceError:  # registered meanwhile, here or at another registry, or our own late write
+            if not await self._put_over_own(WorkerInfo(registration=reg, load=load)):
+                raise BatonError(ErrorCode.DUPLICATE_WORKER, f"worker {reg.worker_id} was registered by another "
+                                 f"instance while instance {reg.instance_id} registered") from None
         if lease is None:
             await self._event("joined", reg)
         self.metrics.requests.labels("registered").inc()
@@ -147,8 +148,9 @@ class Registry:
         info = lease.info
         try:
             await self._put(WorkerInfo(registration=info.registration, load=beat.load), last=lease.revision)
-        except KeyWrongLastSequenceError:  # dropped or re-registered meanwhile
-            return HeartbeatReply(registered=False)
+        except KeyWrongLastSequenceError:  # dropped or re-registered meanwhile, or our own late write
+            if not await self._put_over_own(WorkerInfo(registration=info.registration, load=beat.load)):
+                return HeartbeatReply(registered=False)
         if beat.load.draining and not info.load.draining:  # routers look again now, not at their next refresh
             await self._event("draining", info.registration, "stopping")
         return HeartbeatReply(registered=True)
@@ -234,6 +236,27 @@ class Registry:
         data = encode(info)
         revision = await (self.kv.update(worker_id, data, last) if last else self.kv.create(worker_id, data))
         self._apply(worker_id, revision, info)
+
+    async def _put_over_own(self, info: WorkerInfo) -> bool:
+        """After a write was refused for a stale revision: write over the entry if it is still this
+        instance's. A write of ours whose acknowledgement timed out (its JetStream leader cut off)
+        may have landed later, unseen by us and not yet by the watch. False if the entry is gone
+        or another instance's."""
+        worker_id = info.registration.worker_id
+        try:
+            entry = await self.kv.get(worker_id)
+        except KeyNotFoundError:  # deleted included
+            return False
+        current = decode(entry.value, WorkerInfo)
+        if current.registration.instance_id != info.registration.instance_id:
+            return False
+        self._apply(worker_id, entry.revision, current)
+        try:
+            await self._put(info, last=entry.revision)
+        except KeyWrongLastSequenceError:  # changed again meanwhile: the caller's refusal stands
+            return False
+        log.info("%s's entry held a write of ours that landed after its timeout; written over it", worker_id)
+        return True
 
     async def _drop(self, worker_id: str, lease: Lease, reason: str) -> None:
         """Delete the worker's entry unless it changed meanwhile (a heartbeat, maybe at another
