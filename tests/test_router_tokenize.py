@@ -42,6 +42,13 @@ async def until(condition, timeout_s: float = 5.0) -> None:
             await asyncio.sleep(0.005)
 
 
+async def tokenizing(tokenizer: FairTokenizer, encoder: GatedEncoder, client: str, prompt: str) -> asyncio.Task:
+    """The one thread busy with `prompt` (the encoder holds it until released)."""
+    task = asyncio.create_task(tokenizer.encode(client, prompt))
+    await until(lambda: encoder.started == [prompt])
+    return task
+
+
 def run(scenario):
     asyncio.run(asyncio.wait_for(scenario(), 20))
 
@@ -68,8 +75,7 @@ def test_clients_with_backlogs_alternate():
     async def scenario():
         encoder = GatedEncoder()
         tokenizer = FairTokenizer(encoder, threads=1)
-        first = asyncio.create_task(tokenizer.encode("a", "a0"))
-        await until(lambda: encoder.started == ["a0"])
+        first = await tokenizing(tokenizer, encoder, "a", "a0")
         rest = [asyncio.create_task(tokenizer.encode(c, f"{c}{i}")) for c in "ab" for i in (1, 2, 3)]
         await until(lambda: tokenizer.waiting("a") == 3 and tokenizer.waiting("b") == 3)
         encoder.release(7)
@@ -83,8 +89,7 @@ def test_a_client_with_too_many_prompts_waiting_is_busy_and_others_are_not():
     async def scenario():
         encoder = GatedEncoder()
         tokenizer = FairTokenizer(encoder, threads=1, max_waiting_per_client=2)
-        running = asyncio.create_task(tokenizer.encode("a", "a0"))
-        await until(lambda: encoder.started == ["a0"])
+        running = await tokenizing(tokenizer, encoder, "a", "a0")
         waiting = [asyncio.create_task(tokenizer.encode("a", f"a{i}")) for i in (1, 2)]
         await until(lambda: tokenizer.waiting("a") == 2)
         with pytest.raises(BatonError) as refused:
@@ -101,8 +106,7 @@ def test_a_cancelled_prompt_is_skipped_and_an_encoder_error_reaches_its_caller()
     async def scenario():
         encoder = GatedEncoder()
         tokenizer = FairTokenizer(encoder, threads=1)
-        running = asyncio.create_task(tokenizer.encode("a", "a0"))
-        await until(lambda: encoder.started == ["a0"])
+        running = await tokenizing(tokenizer, encoder, "a", "a0")
         gone = asyncio.create_task(tokenizer.encode("b", "gone"))
         bad = asyncio.create_task(tokenizer.encode("c", "bad"))
         await until(lambda: tokenizer.waiting("b") == 1 and tokenizer.waiting("c") == 1)
