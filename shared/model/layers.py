@@ -53,6 +53,10 @@ class RMSNorm(nn.Module):
         return self.weight * rms(x, self.eps)
 
 
+# the overload itself: calling the packet resolves it on every call (a few us, ~55 times a decode step)
+PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+
+
 class Linear(nn.Linear):
     """A bias-free projection. After `pack()` (done by `load_model` on the CPU), inference runs
     through oneDNN's prepacked fp32 GEMM: for the few-row products of decode it streams the
@@ -71,7 +75,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not torch.is_grad_enabled():
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return PACKED_LINEAR(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
 
 
@@ -156,11 +160,11 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention) -> torch.Tensor:
         T, H, Hkv = x.shape[0], self.heads, self.kv_heads
-        qkv = self.qkv_proj(x).view(T, H + 2 * Hkv, self.head_dim)  # [T, H + 2Hkv, D]
+        qkv = self.qkv_proj.forward(x).view(T, H + 2 * Hkv, self.head_dim)  # [T, H + 2Hkv, D]
         qk = rms(qkv[:, :H + Hkv], self.q_norm.eps) * self.qk_norm_weight()  # [T, H + Hkv, D]
         qk = apply_rope(qk, *rope)
         out = attn(self.layer_id, qk[:, :H], qk[:, H:], qkv[:, H + Hkv:])  # [T, H, D]
-        return self.o_proj(out.reshape(T, H * self.head_dim))
+        return self.o_proj.forward(out.reshape(T, H * self.head_dim))
 
     def qk_norm_weight(self) -> torch.Tensor:
         """[H + Hkv, D]: q_norm's weight for each query head, then k_norm's for each KV head (cached
@@ -182,8 +186,8 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(hidden, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * hidden]
-        return self.down_proj(F.silu(gate_up[:, :self.hidden]) * gate_up[:, self.hidden:])
+        gate_up = self.gate_up_proj.forward(x)  # [T, 2 * hidden]
+        return self.down_proj.forward(F.silu(gate_up[:, :self.hidden]) * gate_up[:, self.hidden:])
 
 
 class DecoderLayer(nn.Module):
@@ -195,5 +199,5 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)  # [T, d]
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, attn)  # [T, d]
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))

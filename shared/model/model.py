@@ -68,16 +68,16 @@ class BatonLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, d] (target or draft) -> logits [T, V] through the shared norm and head."""
-        return self.lm_head(self.model.norm(hidden))
+        return self.lm_head.forward(self.model.norm.forward(hidden))
 
     def draft_hidden(self, prev_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                      attn: Attention, depth: int = 0, max_position: int | None = None) -> torch.Tensor:
         """MTP layer `depth`: prev_hidden [T, d] (h_{p-1}), input_ids/positions [T] (token_p, p) -> [T, d]."""
         mtp = self.mtp.layers[depth]
-        emb = mtp.enorm(self.model.embed_tokens(input_ids))  # [T, d]
+        emb = mtp.enorm.forward(self.model.embed_tokens.forward(input_ids))  # [T, d]
         rope = self.rotary(positions, emb.dtype, max_position)
-        x = mtp.eh_proj(torch.cat((emb, mtp.hnorm(prev_hidden)), dim=-1))  # [T, 2d] -> [T, d]
-        return mtp.block(x, rope, attn)
+        x = mtp.eh_proj.forward(torch.cat((emb, mtp.hnorm.forward(prev_hidden)), dim=-1))  # [T, 2d] -> [T, d]
+        return mtp.block.forward(x, rope, attn)
 
     def pack(self) -> "BatonLM":
         """Prepack every projection for CPU inference (see `Linear`) and cache the fused q/k norm
