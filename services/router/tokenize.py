@@ -4,8 +4,7 @@ A few threads tokenize (the tokenizer releases the GIL). Waiting prompts queue p
 sender of the request, `shared/bus/senders.py`) and a free thread takes the oldest prompt of the
 next client in turn (a client with nothing waiting goes first; one just served goes last), so one
 client's many long prompts delay another's by at most the prompts already being tokenized, not by
-its whole backlog. A client with
-`max_waiting_per_client` prompts waiting gets `busy` for the next.
+its whole backlog. A client with `max_waiting_per_client` prompts waiting gets `busy` for the next.
 """
 from __future__ import annotations
 

@@ -17,6 +17,12 @@ PAUSE_S = 0.25  # a timer this late means the loop did not run: the process was 
 GRACE_S = 1.0  # then what may already have arrived gets this long to be read
 
 
+def after_pause(due: float, now: float) -> float | None:
+    """A timer due at `due` (loop time) fired at `now`: the deadline that replaces it if it fired
+    PAUSE_S late or more (GRACE_S from now), else None (it fired in time: the deadline stands)."""
+    return now + GRACE_S if now - due >= PAUSE_S else None
+
+
 async def within(awaitable: Awaitable[T], timeout: float) -> T:
     """The awaitable's result, or asyncio.TimeoutError (it is cancelled) once `timeout` seconds
     have passed with the loop running, plus GRACE_S after each pause that outlasted the deadline."""
@@ -28,8 +34,7 @@ async def within(awaitable: Awaitable[T], timeout: float) -> T:
             await asyncio.wait((task,), timeout=max(0.0, deadline - loop.time()))
             if task.done():
                 return task.result()
-            if loop.time() - deadline < PAUSE_S:
+            if (deadline := after_pause(deadline, loop.time())) is None:
                 raise asyncio.TimeoutError
-            deadline = loop.time() + GRACE_S
     finally:
         task.cancel()

@@ -16,7 +16,7 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.limits import Limits
 
-from .deadline import GRACE_S, PAUSE_S
+from .deadline import after_pause
 from .wire import connection_epoch, decode_reply_from, gone, nats_errors_mapped
 
 log = logging.getLogger(__name__)
@@ -124,10 +124,9 @@ class ReplyStream(Generic[M]):
                 try:
                     return await self._sub.next_msg(timeout=wait_s)
                 except nats.errors.TimeoutError:
-                    if loop.time() >= deadline:
-                        if loop.time() - (waited_from + wait_s) < PAUSE_S:
+                    if loop.time() >= deadline:  # unless paused past it: what came meanwhile is still unread
+                        if (deadline := after_pause(waited_from + wait_s, loop.time())) is None:
                             raise
-                        deadline = loop.time() + GRACE_S  # paused past it: what came meanwhile is still unread
                     self._check_connection()
                     self._check_sender()
                     if self._receipts and self._sender is None and loop.time() - self._sent_at >= RECEIPT_S:
