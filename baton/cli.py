@@ -49,6 +49,8 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                    help="prefill: threads copying one KV WRITE in parallel (default 0: the NIXL thread alone)")
     g.add_argument("--prefix-cache", type=int,
                    help="prefill: ends of computed prompts kept for prompts that extend them (default 64; 0: off)")
+    g.add_argument("--device", help="cpu, cuda or cuda:N: where each worker's model and KV store live (default cpu)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), help="model weights and KV cache (default float32)")
 
 
 def add_http_options(p: argparse.ArgumentParser) -> None:
@@ -65,7 +67,8 @@ def worker_argv(args) -> list[str]:
             "--kv-mode", args.kv_mode, "--num-pages", str(args.num_pages), "--page-size", str(args.page_size),
             "--num-slots", str(args.num_slots), "--max-batch", str(args.max_batch),
             "--threads", str(args.threads or shared_host_threads(args.prefill + args.decode)),
-            "--transfer-threads", str(args.transfer_threads), "--prefix-cache", str(args.prefix_cache)]
+            "--transfer-threads", str(args.transfer_threads), "--prefix-cache", str(args.prefix_cache),
+            "--device", args.device, "--dtype", args.dtype]
 
 
 def shared_host_threads(engines: int) -> int:

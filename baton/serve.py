@@ -68,7 +68,7 @@ def worker_config(role: str, cfg: Config):
                         spec=w.spec == "mtp", draft_tokens=w.draft_tokens, draft_state=w.draft_state,
                         prefill_chunk=w.prefill_chunk, prefix_cache=w.prefix_cache, max_batch=w.max_batch,
                         transfer_deadline_s=w.transfer_deadline_s, transfer_threads=w.transfer_threads,
-                        threads=w.threads)
+                        threads=w.threads, device=w.device, dtype=w.dtype)
 
 
 async def _http(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:

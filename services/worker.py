@@ -45,6 +45,8 @@ class WorkerConfig:
     transfer_deadline_s: float = 30.0
     transfer_threads: int = 0  # prefill: TransferAgent(copy_threads=), parallel chunks of one WRITE
     threads: int = 0  # torch threads; 0 = leave torch's default
+    device: str = WorkerSection.device  # cpu | cuda | cuda:N: the model, the KV store, every engine tensor
+    dtype: str = WorkerSection.dtype  # float32 | bfloat16: weights and KV cache
 
     def __post_init__(self) -> None:
         if not self.worker_id:

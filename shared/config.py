@@ -60,6 +60,14 @@ def positive(v) -> str | None:
     return None if v > 0 else f"must be > 0, got {v}"
 
 
+def device_name(v: str) -> str | None:
+    """`cpu`, `cuda` or `cuda:N` (whether that device exists is checked where the model loads)."""
+    kind, _, index = v.partition(":")
+    if v == "cpu" or (kind == "cuda" and (not _ or index.isdigit())):
+        return None
+    return f"must be cpu, cuda or cuda:N; got {v!r}"
+
+
 def key(default: Any, help: str, check: Check | None = None, secret: bool = False, flag: str = "") -> Any:
     """A config key: its default, one line of help, an optional check, and the CLI flag (if any)."""
     return field(default=default, metadata={"help": help, "check": check, "secret": secret, "flag": flag})
@@ -133,6 +141,10 @@ class WorkerSection:
     threads: int = key(0, "torch threads per worker (0: torch's default for `baton serve`; `baton up` "
                           "divides the machine's cores among its prefill and decode processes)",
                        between(0), flag="--threads")
+    device: str = key("cpu", "where a worker's model and KV store live: cpu, cuda or cuda:N", device_name,
+                      flag="--device")
+    dtype: str = key("float32", "model weights and KV cache: float32 (greedy output equals `transformers` "
+                                "fp32) or bfloat16", one_of("float32", "bfloat16"), flag="--dtype")
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,20 @@ def test_cli_flags_override_env_and_file_and_absent_flags_do_not(tmp_path, monke
     assert cli.worker_argv(args)[:2] == ["--spec", "off"]
 
 
+def test_device_and_dtype_go_from_flags_env_and_file_to_every_worker_baton_up_starts(tmp_path, monkeypatch):
+    path = write(tmp_path, "[worker]\ndevice = 'cuda:1'\n")
+    monkeypatch.setenv("BATON_WORKER_DTYPE", "bfloat16")
+    args = cli.parser().parse_args(["up", "--config", str(path)])
+    cli.apply_config(cli.effective_config(args), args)
+    argv = cli.worker_argv(args)
+    assert argv[argv.index("--device") + 1] == "cuda:1" and argv[argv.index("--dtype") + 1] == "bfloat16"
+    served = cli.parser().parse_args(["serve", "decode", "--config", str(path), *argv, "--device", "cuda"])
+    w = worker_config("decode", cli.effective_config(served))
+    assert (w.device, w.dtype) == ("cuda", "bfloat16")
+    from baton.services.aggregated.engine import AggregatedConfig
+    assert (AggregatedConfig.from_args(w).device, AggregatedConfig.from_args(w).dtype) == ("cuda", "bfloat16")
+
+
 def test_serve_builds_the_worker_config_from_all_layers(tmp_path, monkeypatch):
     path = write(tmp_path, "[worker]\nprefill_chunk = 128\ntransfer_deadline_s = 7\ntransfer_threads = 3\n"
                            "[router]\nmax_in_flight = 3\n")
@@ -75,6 +89,9 @@ def test_serve_builds_the_worker_config_from_all_layers(tmp_path, monkeypatch):
     ({"BATON_HTTP_PORT": "eighty"}, "http.port: expected int, got 'eighty' (from env BATON_HTTP_PORT)"),
     ({"BATON_UP_HTTP": "maybe"}, "up.http: expected bool, got 'maybe' (from env BATON_UP_HTTP)"),
     ({"BATON_WORKER_KV_MODE": "flat"}, "worker.kv_mode: must be one of ring, paged; got 'flat'"),
+    ({"BATON_WORKER_DEVICE": "gpu0"}, "worker.device: must be cpu, cuda or cuda:N; got 'gpu0'"),
+    ({"BATON_WORKER_DEVICE": "cuda:x"}, "worker.device: must be cpu, cuda or cuda:N; got 'cuda:x'"),
+    ({"BATON_WORKER_DTYPE": "float16"}, "worker.dtype: must be one of float32, bfloat16; got 'float16'"),
     ({"BATON_ROUTER_REQUEST_TIMEOUT_S": "-1"}, "router.request_timeout_s: must be > 0, got -1.0"),
     ({"BATON_WORKER_DRAFT_TOKEN": "3"}, "BATON_WORKER_DRAFT_TOKEN: no config key worker.draft_token"),
     ({"BATON_MODEL_PATH": "/no/such/model"}, "model.path: no such directory: /no/such/model"),

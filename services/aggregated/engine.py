@@ -56,6 +56,8 @@ class AggregatedConfig:
     max_batch: int = 64  # sequences per decode step
     prefill_tokens: int = 4096  # prompt tokens prefilled per turn (at least one prompt): bounds a decode stall
     threads: int = 0  # torch threads; 0 = leave torch's default
+    device: str = WorkerSection.device  # cpu | cuda | cuda:N
+    dtype: str = WorkerSection.dtype  # float32 | bfloat16
     max_in_flight: int = 1024  # generate requests handled at once; beyond: busy
 
     def __post_init__(self) -> None:
@@ -176,7 +178,7 @@ class AggregatedEngine:
         self.config, self.spec = config, config.spec_config
         self.store = KVStore(model.cfg, mode=config.mode, num_pages=config.num_pages, page_size=config.page_size,
                              num_slots=config.num_slots, max_draft_tokens=config.draft_tokens,
-                             draft_enabled=config.spec)
+                             draft_enabled=config.spec, dtype=model.dtype, device=model.device)
         self.runner = ModelRunner(model, self.store, self.spec, config.prefill_chunk)
         self.window = model.cfg.sliding_window
         self.thread = EngineThread()
@@ -218,11 +220,11 @@ class AggregatedEngine:
             raise BatonError(ErrorCode.UNAVAILABLE, "the service is shutting down")
         seq = Sequence(request_id, list(prompt), max_tokens, params, frozenset(stop_token_ids),
                        draft_tokens=draft_tokens, min_tokens=min_tokens, logprobs=logprobs,
-                       prompt_logprobs=prompt_logprobs)
+                       prompt_logprobs=prompt_logprobs, device=self.store.device)
         decode_gen = None
         if not params.greedy:
             decode_gen = seq.gen if params.seed is None else \
-                torch.Generator().manual_seed((params.seed ^ DECODE_SEED_SALT) % 2**64)
+                torch.Generator(device=self.store.device).manual_seed((params.seed ^ DECODE_SEED_SALT) % 2**64)
         positions = len(seq.prompt) + max_tokens + self.spec.draft_tokens + 1  # + one verify block
         try:
             await self.thread.call(self.store.allocate, request_id, positions)

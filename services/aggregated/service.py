@@ -60,7 +60,7 @@ async def open_service(bus: Bus, args_or_config) -> AggregatedService:
     config = AggregatedConfig.from_args(args_or_config)
     if config.threads:
         torch.set_num_threads(config.threads)
-    engine = AggregatedEngine(load_model(config.model), config)
+    engine = AggregatedEngine(load_model(config.model, config.dtype, config.device), config)
     service = AggregatedService(bus, engine, TextTokenizer.load(config.model),
                                 RouterConfig(max_in_flight=config.max_in_flight))
     await engine.start()

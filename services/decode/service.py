@@ -62,11 +62,12 @@ class Request:
 class DecodeWorker:
     def __init__(self, bus: Bus, config: WorkerConfig) -> None:
         self.bus, self.config = bus, config
-        self.model = load_model(config.model)
+        self.model = load_model(config.model, config.dtype, config.device)
         self.spec = SpecConfig(config.spec, config.draft_tokens, config.draft_state)
         self.store = KVStore(self.model.cfg, mode=config.mode, num_pages=config.num_pages,
                              page_size=config.page_size, num_slots=config.num_slots,
-                             max_draft_tokens=config.draft_tokens, draft_enabled=config.spec)
+                             max_draft_tokens=config.draft_tokens, draft_enabled=config.spec,
+                             dtype=self.model.dtype, device=self.model.device)
         self.runner = ModelRunner(self.model, self.store, self.spec, config.prefill_chunk)
         self.manifest = self.store.manifest(config.worker_id, fingerprint(config.model), role="decode")
         self.lookup = peer_lookup(bus)
@@ -136,7 +137,7 @@ class DecodeWorker:
         seq = Sequence(msg.request_id, list(msg.token_ids), msg.max_tokens,
                        SamplingParams.of(s, seed), frozenset(s.stop_token_ids),
                        draft_tokens=s.draft_tokens, min_tokens=s.min_tokens, logprobs=s.logprobs,
-                       output_in_prompt=s.output_in_prompt)
+                       output_in_prompt=s.output_in_prompt, device=self.store.device)
         tag = request_tag(msg.request_id)
         if tag in self.requests:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {msg.request_id} is already reserved here")

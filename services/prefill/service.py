@@ -53,11 +53,12 @@ Staged = list[Descriptor] | BatonError | None  # a computed request's WRITE list
 class PrefillWorker:
     def __init__(self, bus: Bus, config: WorkerConfig) -> None:
         self.bus, self.config = bus, config
-        self.model = load_model(config.model)
+        self.model = load_model(config.model, config.dtype, config.device)
         send_draft = config.spec and config.draft_state == "transfer"
         self.store = KVStore(self.model.cfg, mode=config.mode, num_pages=config.num_pages,
                              page_size=config.page_size, num_slots=config.num_slots,
-                             max_draft_tokens=config.draft_tokens, draft_enabled=send_draft)
+                             max_draft_tokens=config.draft_tokens, draft_enabled=send_draft,
+                             dtype=self.model.dtype, device=self.model.device)
         self.runner = ModelRunner(self.model, self.store, SpecConfig(config.spec, config.draft_tokens,
                                                                      config.draft_state), config.prefill_chunk)
         self.send_draft = send_draft
@@ -232,7 +233,8 @@ class PrefillWorker:
             params = SamplingParams.of(d.sampling, d.sampling.seed)
             seqs.append((job, Sequence(d.request_id, list(d.token_ids), 1, params,
                                        prompt_logprobs=d.sampling.prompt_logprobs,
-                                       output_in_prompt=d.sampling.output_in_prompt)))
+                                       output_in_prompt=d.sampling.output_in_prompt,
+                                       device=self.store.device)))
         starts = [h.start if h else 0 for h in hits]
         outputs = self.runner.prefill([s for _, s in seqs], starts, self._chunk_boundary(seqs, hits)) if seqs else []
         for (job, seq), out, hit in zip(seqs, outputs, hits):
@@ -341,7 +343,8 @@ class PrefillWorker:
         L = len(seq.prompt)
         rows = target.plan.aux_hidden_rows(L)
         pack_aux(self.store.aux_row(seq.request_id), self.store.aux_layout, request_tag(seq.request_id),
-                 out.first_token, out.hidden[-rows:] if rows else torch.zeros(0, self.model.cfg.hidden_size))
+                 out.first_token, out.hidden[-rows:] if rows else torch.zeros(0, self.model.cfg.hidden_size,
+                                                                             device=self.store.device))
         src = self.store.allocation(seq.request_id)
         return [Descriptor(d.component_key, d.layer_index, d.src_offset, d.dst_offset, d.nbytes)
                 for d in target.plan.descriptors(L, src, target.decode_alloc)]

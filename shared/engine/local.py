@@ -31,7 +31,8 @@ class LocalEngine:
         self.spec = spec
         self.store = KVStore(model.cfg, mode=capacity.mode, num_pages=capacity.num_pages,
                              page_size=capacity.page_size, num_slots=capacity.num_slots,
-                             max_draft_tokens=spec.draft_tokens, draft_enabled=spec.enabled)
+                             max_draft_tokens=spec.draft_tokens, draft_enabled=spec.enabled,
+                             dtype=model.dtype, device=model.device)
         self.runner = ModelRunner(model, self.store, spec, prefill_chunk)
         self.window = model.cfg.sliding_window
 
@@ -53,7 +54,8 @@ class LocalEngine:
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  params: SamplingParams = SamplingParams()) -> list[Sequence]:
-        return self.run([Sequence(f"local-{i}", p, max_tokens, params) for i, p in enumerate(prompts)])
+        return self.run([Sequence(f"local-{i}", p, max_tokens, params, device=self.store.device)
+                         for i, p in enumerate(prompts)])
 
     def run(self, seqs: list[Sequence]) -> list[Sequence]:
         """Generate every sequence to its end (one batch, all admitted at once), then free it."""

@@ -71,6 +71,8 @@ def _count(seq: Sequence, vocab: int) -> None:
     if seq.output_counts is None:
         output = seq.prompt[len(seq.prompt) - seq.output_in_prompt:] + seq.output
         with torch.inference_mode(False):  # emit updates it in place, also outside the step's inference mode
-            seq.output_counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).float()
-            seq.prompt_seen = torch.zeros(vocab, dtype=torch.bool)
-            seq.prompt_seen[torch.tensor(seq.prompt, dtype=torch.long)] = True
+            device = seq.device
+            seq.output_counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=device),
+                                               minlength=vocab).float()
+            seq.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            seq.prompt_seen[torch.tensor(seq.prompt, dtype=torch.long, device=device)] = True

@@ -132,7 +132,9 @@ class ModelRunner:
     # --- decode start (what arrived from prefill) -------------------------------------------
     def start_decode(self, seq: Sequence, first_token: int, hidden_tail: torch.Tensor, draft_state: str) -> None:
         """hidden_tail: the last rows of the prompt's target hidden states; [1, d] for transfer
-        and cold, up to [W, d] (h_{L-W}..h_{L-1}) for rebuild."""
+        and cold, up to [W, d] (h_{L-W}..h_{L-1}) for rebuild; from the aux row (host memory, fp32)
+        or the prefill's own output."""
+        hidden_tail = hidden_tail.to(self.device, self.model.dtype)
         L = len(seq.prompt)
         if self.store.length(seq.request_id) < L:  # the prompt's KV arrived by transfer
             self.store.extend(seq.request_id, L)

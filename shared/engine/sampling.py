@@ -113,7 +113,7 @@ class BatchSampling:
         # [Ns, 1], or 1.0 when no row truncates: target_probs then skips the sort over V
         self.top_p = (torch.tensor([[s.params.top_p] for s in picked], device=device)
                       if any(s.params.top_p < 1.0 for s in picked) else 1.0)
-        raw = torch.stack([_padded(torch.rand((k + 1) * V + k, generator=s.gen), V, k, K)
+        raw = torch.stack([_padded(torch.rand((k + 1) * V + k, generator=s.gen, device=s.gen.device), V, k, K)
                            for s, k in zip(picked, ks)]).to(device)  # [Ns, (K+1)V + K]
         noise = -raw[:, :(K + 1) * V].clamp_min(1e-30).log()  # Exp(1)
         self.emission_noise = noise[:, :V]  # [Ns, V]
@@ -144,5 +144,5 @@ class BatchSampling:
 
 def _padded(draw: torch.Tensor, V: int, k: int, K: int) -> torch.Tensor:
     """One row's draw for k drafts, padded to K drafts (0.5: any value in (0, 1) will do)."""
-    pad = torch.full(((K - k) * V,), 0.5)
+    pad = torch.full(((K - k) * V,), 0.5, device=draw.device)
     return torch.cat((draw[:(k + 1) * V], pad, draw[(k + 1) * V:], pad[:K - k]))

@@ -63,6 +63,7 @@ class Sequence:
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     gen: torch.Generator | None = None
+    device: torch.device | str = "cpu"  # the engine's: where `gen` lives and penalty counts are made
     output_logprobs: Logprobs | None = None  # aligned with `output`, when `logprobs` is asked for
     output_counts: torch.Tensor | None = None  # [V] float: times each token is in `output` (penalties.py)
     prompt_seen: torch.Tensor | None = None  # [V] bool: the prompt's tokens (repetition penalty)
@@ -72,8 +73,8 @@ class Sequence:
         if self.logprobs is not None and self.output_logprobs is None:
             self.output_logprobs = Logprobs()
         if self.gen is None and not self.params.greedy:
-            seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, ()))
-            self.gen = torch.Generator().manual_seed(seed)
+            seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, (), device="cpu"))
+            self.gen = torch.Generator(device=self.device).manual_seed(seed)
 
     def token_span(self, lo: int, hi: int) -> list[int]:
         """tokens[lo:hi] without building the whole list."""

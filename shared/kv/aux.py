@@ -59,7 +59,7 @@ def pack_aux(row: torch.Tensor, layout: AuxLayout, tag: int, first_token: int,
     import torch
 
     header = row[:HEADER_BYTES].view(torch.int64)  # [3]
-    header.copy_(torch.tensor([tag - _U64 if tag >= 1 << 63 else tag, first_token, n]))
+    header.copy_(torch.tensor([tag - _U64 if tag >= 1 << 63 else tag, first_token, n], device=row.device))
     body = row[HEADER_BYTES:HEADER_BYTES + n * layout.row_bytes].view(torch.float32)
     body.view(n, layout.hidden_size).copy_(hidden.flip(0))  # [n, hidden] newest first
 

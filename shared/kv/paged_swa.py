@@ -19,7 +19,7 @@ from baton.shared.kv.allocator import IdPool, require
 class PagedSwa:
     def __init__(self, num_pages: int, num_swa_pages: int):
         # [P] in host memory (the engine builds its step metadata there); `table` is its numpy view
-        self.full_to_swa = torch.full((num_pages,), -1, dtype=torch.long)
+        self.full_to_swa = torch.full((num_pages,), -1, dtype=torch.long, device="cpu")
         self.table = self.full_to_swa.numpy()
         self.pool = IdPool(num_swa_pages, "SWA pages")
         self._spare: dict[str, list[int]] = {}  # request -> reserved, unmapped SWA pages

@@ -72,7 +72,8 @@ class PrefixCache:
         row = (2, store.cfg.num_key_value_heads, store.cfg.head_dim)
         self.kv = torch.zeros((entries, len(self.sliding), self.span, *row),
                               dtype=store.dtype, device=store.device)  # [slots, sliding layers, span, 2, Hkv, D]
-        self.hidden = torch.zeros((entries, self.span, hidden_size), device=store.device)  # [slots, span, d]
+        self.hidden = torch.zeros((entries, self.span, hidden_size), dtype=store.dtype,
+                                  device=store.device)  # [slots, span, d]
         self.slots = IdPool(entries, "prefix cache slots")
         self._lru: OrderedDict[int, Entry] = OrderedDict()  # by id(entry), least recent first
         self._index: dict[tuple[int, int], list[Entry]] = {}  # (blocks, chain hash) -> entries keyed there
@@ -223,7 +224,7 @@ class PrefixCache:
         self.slots.check_integrity()
         self.store.check_integrity()
         entries = list(self._lru.values())
-        pins = torch.zeros(self.store.pages.size, dtype=torch.long)
+        pins = torch.zeros(self.store.pages.size, dtype=torch.long, device="cpu")  # [P], as page_pins
         for e in entries:
             require(len(e.pages) == -(-len(e.tokens) // self.ps), "an entry's pages do not cover its tokens")
             pins[e.pages] += 1

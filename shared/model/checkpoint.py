@@ -52,7 +52,32 @@ def load_weights(model: BatonLM, weights_path: Path) -> None:
                 param.copy_(tensor)
 
 
-def load_model(path: str | Path = DEFAULT_MODEL_DIR, dtype: torch.dtype = torch.float32) -> BatonLM:
+def engine_device(name: str | torch.device) -> torch.device:
+    """The device `worker.device` names, refused by name when this torch cannot use it."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckpointError(f"device {name}: torch {torch.__version__} sees no CUDA device "
+                                  "(a CPU build of torch, or no GPU visible to this process)")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise CheckpointError(f"device {name}: this process sees {torch.cuda.device_count()} CUDA "
+                                  "device(s)")
+    elif device.type != "cpu":
+        raise CheckpointError(f"device {name}: only cpu and cuda are supported")
+    return device
+
+
+def engine_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The dtype `worker.dtype` names: float32 or bfloat16."""
+    dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name), None)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise CheckpointError(f"dtype {name}: expected float32 or bfloat16")
+    return dtype
+
+
+def load_model(path: str | Path = DEFAULT_MODEL_DIR, dtype: str | torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> BatonLM:
+    """The checkpoint's model in `dtype` on `device`, in eval mode, projections packed (CPU)."""
     path = Path(path)
     check_files(path)
     try:
@@ -61,7 +86,7 @@ def load_model(path: str | Path = DEFAULT_MODEL_DIR, dtype: torch.dtype = torch.
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
     model = BatonLM(cfg)
     load_weights(model, path / "model.safetensors")
-    return model.to(dtype).eval().pack()
+    return model.to(engine_device(device), engine_dtype(dtype)).eval().pack()
 
 
 def save_model(model: BatonLM, path: str | Path) -> None:

@@ -56,6 +56,15 @@ class BatonLM(nn.Module):
         self.mtp = MTPModel(cfg)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (and with them the KV store and every engine tensor)."""
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
                        max_position: int | None = None) -> torch.Tensor:
         """input_ids, positions: [T] -> last target layer's output before the final norm, [T, d].
