@@ -205,11 +205,32 @@ class TestPlanRefusals:
         _, d = worker("decode")
         mixed = lambda m: replace(m, components=(replace(m.components[0], mem_kind="VRAM"),)
                                   + m.components[1:])
-        make_plan(mixed(p), worker("decode", draft=False)[1])  # mixed kinds alone are fine
+        make_plan(mixed(p), mixed(worker("decode", draft=False)[1]))  # mixed kinds alone are fine
         pair = (mixed(p), d) if side == "prefill" else (p, mixed(d))
         with pytest.raises(PlanError, match=rf"not supported: {side} .* mixes memory kinds "
                                             r"\['DRAM', 'VRAM'\] together with decode-only"):
             make_plan(*pair)
+
+    def test_kv_in_device_memory_with_host_aux_rows_pairs_in_every_draft_mode(self):
+        """A GPU worker's manifest: KV components VRAM on its device, the aux rows DRAM (kv/store.py)."""
+        on_gpu = lambda m: replace(m, components=tuple(c if c.ident.kind == "AUX" else
+                                                       replace(c, mem_kind="VRAM", device_id=1)
+                                                       for c in m.components))
+        for draft in (True, False):  # transfer, and decode-only speculation (rebuild)
+            plan = make_plan(on_gpu(worker("prefill", draft=draft)[1]), on_gpu(worker("decode")[1]))
+            assert plan.draft_state == ("transfer" if draft else "rebuild")
+
+    @pytest.mark.parametrize("side", ["prefill", "decode"])
+    def test_host_memory_on_one_side_and_device_memory_on_the_other_is_refused_by_name(self, side):
+        _, p = worker("prefill")
+        _, d = worker("decode")
+        gpu = lambda m: replace(m, components=tuple(replace(c, mem_kind="VRAM") for c in m.components))
+        p, d = (gpu(p), d) if side == "prefill" else (p, gpu(d))
+        first = p.components[0].name
+        kinds = ("VRAM", "DRAM") if side == "prefill" else ("DRAM", "VRAM")
+        with pytest.raises(PlanError, match=rf"component {first}: prefill holds it in {kinds[0]}, decode in "
+                                            rf"{kinds[1]}; a transfer between host and device memory is not supported"):
+            make_plan(p, d)
 
     def test_roles_and_duplicates(self):
         _, p = worker("prefill")

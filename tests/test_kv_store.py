@@ -263,6 +263,8 @@ def test_store_on_cuda_registers_vram(mode):
     store.rollback("a", 18)
     pack_aux(store.aux_row("a"), store.aux_layout, 5, 6, torch.ones(2, 6))
     assert unpack_aux(store.aux_row("a"), store.aux_layout).first_token == 6
-    assert {c.mem_kind for c in store.manifest("w", "fp").components} == {"VRAM"}
+    kinds = {c.name: (c.mem_kind, c.device_id) for c in store.manifest("w", "fp").components}
+    assert kinds.pop("aux/AUX") == ("DRAM", 0) and store.aux.is_pinned()  # host rows on every device
+    assert set(kinds.values()) == {("VRAM", torch.cuda.current_device())}
     store.free("a")
     store.check_integrity()

@@ -66,7 +66,7 @@ def test_closing_tears_the_nixl_agent_down_on_its_own_thread():
 
     async def run():
         a, b, _, _ = await pair()
-        watched = [weakref.ref(agent._sender.items._agent, lambda _: died.append(threading.current_thread().name))
+        watched = [weakref.ref(agent._sender.items["DRAM"]._agent, lambda _: died.append(threading.current_thread().name))
                    for agent in (a, b)]
         assert (await a.write("b", PLAN, 1, 5.0)).ok
         with pytest.raises(ValueError, match="cannot add peer") as refused:  # kept past close

@@ -45,7 +45,7 @@ def test_region_registered_twice_or_overlapping_is_refused():
 
 
 def test_item_rows_index_every_item_in_region_order():
-    rows = table("me").item_rows()
+    rows = table("me").item_rows("DRAM")
     assert rows.shape == (12, 3)
     assert list(rows[:5, 0]) == [BASE, BASE + 256, BASE + 512, BASE + 768, BASE + 4096]
     assert set(rows[:8, 1]) == {256} and set(rows[8:, 1]) == {64}

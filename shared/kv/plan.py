@@ -11,7 +11,10 @@ and `draft_state` says how decode starts its draft window:
     "cold"      no draft state and no way to rebuild it: the draft starts with an empty window
 Refused with a PlanError naming the component: different model fingerprints; a prefill
 component decode lacks; different layer ids or item sizes; a missing target or aux component;
-a partial draft; mixed memory kinds on one side together with decode-only speculation.
+a partial draft; a component in host memory on one side and device memory on the other (a CPU
+prefill with a GPU decode: not verified on a GPU yet, so refused rather than assumed); mixed KV
+memory kinds on one side together with decode-only speculation (seed 003; the aux rows, host
+memory on every device, do not count).
 
 `plan.descriptors(L, src_alloc, dst_alloc)` returns, for a request of L prompt tokens, the byte
 runs to copy, one per run of whole items adjacent on both sides (items hold every layer): the
@@ -90,6 +93,13 @@ def make_plan(prefill: Manifest, decode: Manifest) -> TransferPlan:
         raise PlanError(f"expected a prefill and a decode manifest, got roles "
                         f"{prefill.role!r} and {decode.role!r}")
     src, dst = _by_name(prefill), _by_name(decode)
+    not_provided = tuple(name for name in dst if name not in src)
+    for side, manifest in (("prefill", prefill), ("decode", decode)):
+        kinds = {c.mem_kind for c in manifest.components if c.ident.kind != AUX}
+        if not_provided and len(kinds) > 1:
+            raise PlanError(f"not supported: {side} {manifest.worker_id} mixes memory kinds "
+                            f"{sorted(kinds)} together with decode-only speculative decoding "
+                            f"({', '.join(not_provided)} not provided)")
     pairs = []
     for name, comp in src.items():
         if name not in dst:
@@ -97,7 +107,6 @@ def make_plan(prefill: Manifest, decode: Manifest) -> TransferPlan:
                             f"{_missing_hint(comp, decode)}")
         _check_pair(comp, dst[name])
         pairs.append(Pair(comp, dst[name]))
-    not_provided = tuple(name for name in dst if name not in src)
     for name in not_provided:
         if dst[name].ident.owner != DRAFT:
             raise PlanError(f"decode component {name} is not provided by prefill; only draft "
@@ -106,12 +115,6 @@ def make_plan(prefill: Manifest, decode: Manifest) -> TransferPlan:
     if not_provided and len(not_provided) != len(draft):
         raise PlanError(f"prefill provides only part of the draft state ({', '.join(not_provided)} "
                         f"missing); a partial draft transfer is not supported")
-    for side, manifest in (("prefill", prefill), ("decode", decode)):
-        kinds = {c.mem_kind for c in manifest.components}
-        if not_provided and len(kinds) > 1:
-            raise PlanError(f"not supported: {side} {manifest.worker_id} mixes memory kinds "
-                            f"{sorted(kinds)} together with decode-only speculative decoding "
-                            f"({', '.join(not_provided)} not provided)")
     return TransferPlan(prefill_worker=prefill.worker_id, decode_worker=decode.worker_id,
                         fingerprint=prefill.fingerprint, pairs=tuple(pairs),
                         not_provided=not_provided, draft_state=_draft_state(draft, not_provided,
@@ -146,6 +149,10 @@ def _check_pair(src: Component, dst: Component) -> None:
             for f in _GEOMETRY_FIELDS if getattr(src.geometry, f) != getattr(dst.geometry, f)]
     if len(src.regions) != len(dst.regions):
         diff.append(f"regions {len(src.regions)} != {len(dst.regions)}")
+    if src.mem_kind != dst.mem_kind:
+        raise PlanError(f"component {src.name}: prefill holds it in {src.mem_kind}, decode in {dst.mem_kind}; "
+                        "a transfer between host and device memory is not supported (run prefill and decode "
+                        "on the same kind of device)")
     if diff:
         raise PlanError(f"component {src.name}: prefill and decode geometry differ "
                         f"(prefill vs decode): {', '.join(diff)}")

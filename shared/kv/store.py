@@ -6,7 +6,7 @@ bytes and a run of adjacent items is one NIXL descriptor):
     FULL      data: [num_pages,     layers, page_size, 2, kv_heads, head_dim]
     SWA       data: [num_swa_pages, layers, page_size, 2, kv_heads, head_dim]  (mode "paged")
     SWA_RING  data: [num_slots,     layers, R,         2, kv_heads, head_dim]  (mode "ring")
-    AUX       data: [1, num_slots, item_bytes] uint8
+    AUX       data: [1, num_slots, item_bytes] uint8, in host memory on every device
 with R = span = W + max_draft_tokens. Draft FULL layers share the target's page tables; draft
 sliding layers share the target's slot (ring) or full->SWA mapping (paged).
 
@@ -89,6 +89,8 @@ class KVStore:
         self.cfg, self.mode, self.dtype = cfg, mode, dtype
         self.page_size, self.max_draft_tokens = page_size, max_draft_tokens
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # the id NIXL registers
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.routing = route_layers(cfg, mode)
         self.span = sliding_span(cfg, max_draft_tokens)  # ring rows R; resident sliding positions
         self.keys: tuple[PoolKey, ...] = self.routing.keys(draft_enabled)
@@ -108,8 +110,8 @@ class KVStore:
                               *shape), dtype)
             for key in self.keys}  # [items, layers, item_rows, 2, kv_heads, head_dim]
         self.aux_layout: AuxLayout = aux_layout(cfg)
-        self.aux = self._zeros((1, num_slots, self.aux_layout.item_bytes),
-                               torch.uint8)  # [1, num_slots, item_bytes]
+        self.aux = self._host_zeros((1, num_slots, self.aux_layout.item_bytes),
+                                    torch.uint8)  # [1, num_slots, item_bytes], host memory on any device
         self._layer = {layer_id: (key, i) for key in self.keys
                        for i, layer_id in enumerate(self.routing.layers_of(key))}
         self._requests: dict[str, RequestKV] = {}
@@ -248,7 +250,9 @@ class KVStore:
         return layers * item_rows
 
     def aux_row(self, request_id: str) -> torch.Tensor:
-        """The request's aux row, uint8 [item_bytes] (see aux.pack_aux / unpack_aux)."""
+        """The request's aux row, uint8 [item_bytes] (see aux.pack_aux / unpack_aux). Host memory
+        on every device: the event loop reads its tag and first token without a device sync, and
+        never through a pointer into device memory."""
         return self.aux[0, self._req(request_id).slot]
 
     def allocation(self, request_id: str) -> Allocation:
@@ -310,18 +314,24 @@ class KVStore:
                                 window=None, kv_heads=0, head_dim=0, order=ITEM_MAJOR,
                                 layers_per_item=0)
         comps.append(Component(ComponentId(AUX_KEY.owner, AUX_KEY.kind, ()), aux_geometry,
-                               (self._region(self.aux[0], layout.item_bytes),), mem_kind,
-                               self.device.index or 0))
+                               (self._region(self.aux[0], layout.item_bytes),), "DRAM", 0))
         return Manifest(worker_id=worker_id, role=role, fingerprint=fingerprint, mode=self.mode,
                         components=tuple(comps))
 
     # --- internals ------------------------------------------------------------------------------
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A pool tensor; on the CPU on huge pages, which NIXL copies between processes at about
-        twice the speed of 4 KiB pages (host_memory)."""
+        """A KV pool tensor on the store's device."""
+        if self.device.type == "cpu":
+            return self._host_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def _host_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Host memory: on huge pages for a CPU store (NIXL copies them between processes at about
+        twice the speed of 4 KiB pages, host_memory), pinned for a CUDA store (the engine's
+        copies to and from the device then need no staging)."""
         if self.device.type == "cpu":
             return huge_page_zeros(shape, dtype)
-        return torch.zeros(shape, dtype=dtype, device=self.device)
+        return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=True)
 
     def _component(self, key: PoolKey, mem_kind: str) -> Component:
         data = self.data[key]  # [items, layers, item_rows, 2, kv_heads, head_dim]

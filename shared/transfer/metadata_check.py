@@ -38,7 +38,8 @@ class MetadataCheck:
     async def problem(self, worker_id: str, metadata: bytes, regions: list[Region]) -> str:
         """Why a peer could not use worker `worker_id`'s metadata with these regions; "" if it can.
         Raises TimeoutError if the check did not finish within `timeout_s` (the child is killed)."""
-        request = msgpack.packb([worker_id, metadata, [[r.addr, r.nbytes] for r in regions]])
+        request = msgpack.packb([worker_id, metadata, [[r.addr, r.nbytes, r.device_id, r.mem_kind]
+                                                       for r in regions]])
         async with self._lock:
             try:
                 return await asyncio.wait_for(self._ask(request), self.timeout_s)
@@ -85,8 +86,10 @@ class MetadataCheck:
         return await child.wait()
 
 
-def problem(agent: Any, worker_id: str, metadata: bytes, rows: list[list[int]]) -> str:
-    """The check itself, in the child: load as a peer would, compare the name, prepare the regions."""
+def problem(agent: Any, worker_id: str, metadata: bytes, rows: list[list]) -> str:
+    """rows: [addr, nbytes, device id, memory kind] of each region the manifest names."""
+    """The check itself, in the child: load as a peer would, compare the name, prepare the regions
+    (one list per memory kind, as a peer prepares them)."""
     from .nixl_ops import error_text
     try:
         name = agent.add_remote_agent(metadata)
@@ -97,11 +100,13 @@ def problem(agent: Any, worker_id: str, metadata: bytes, rows: list[list[int]]) 
     try:
         if name != worker_id:
             return f"its NIXL metadata belongs to agent {name!r}"
-        if rows:
+        for kind in dict.fromkeys(row[3] for row in rows):
             try:  # one row per region: is it inside memory the metadata registers?
-                agent.prep_xfer_dlist(name, [(addr, nbytes, 0) for addr, nbytes in rows], "DRAM").release()
+                agent.prep_xfer_dlist(name, [(addr, nbytes, dev) for addr, nbytes, dev, k in rows if k == kind],
+                                      kind).release()
             except Exception as e:
-                return f"its manifest's regions are not memory its NIXL agent registered ({error_text(e)})"
+                return (f"its manifest's {kind} regions are not memory its NIXL agent registered "
+                        f"({error_text(e)})")
         return ""
     finally:
         agent.remove_remote_agent(name)

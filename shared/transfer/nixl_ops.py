@@ -32,35 +32,41 @@ class Xfer:
     cancel_refused: bool = False
 
 
-def register(agent, table: RegionTable) -> tuple[Any, Any, bytes]:
-    """Register every region once; prepare the per-item list; return them and our metadata."""
-    reg = agent.register_memory([(r.addr, r.nbytes, 0, "") for r in table.regions], "DRAM")
-    items = agent.prep_xfer_dlist(LOCAL, table.item_rows(), "DRAM")
-    return reg, items, agent.get_agent_metadata()
+def register(agent, table: RegionTable) -> tuple[list[Any], dict[str, Any], bytes]:
+    """Register every region once, each as its memory kind and device id; prepare one per-item
+    list per kind; return the registrations, the lists (by kind) and our metadata."""
+    regs = [agent.register_memory([(r.addr, r.nbytes, r.device_id, "") for r in table.regions if r.mem_kind == kind],
+                                  kind) for kind in table.kinds]
+    items = {kind: agent.prep_xfer_dlist(LOCAL, table.item_rows(kind), kind) for kind in table.kinds}
+    return regs, items, agent.get_agent_metadata()
 
 
-def deregister(agent, reg: Any, items: Any) -> None:
-    items.release()
-    agent.deregister_memory(reg)
+def deregister(agent, regs: list[Any], items: dict[str, Any]) -> None:
+    for dlist in items.values():
+        dlist.release()
+    for reg in regs:
+        agent.deregister_memory(reg)
 
 
-def connect(agent, metadata: bytes, table: RegionTable) -> tuple[str, Any]:
-    """Load a peer's metadata; prepare its per-item list. Returns (its agent name, the list)."""
+def connect(agent, metadata: bytes, table: RegionTable) -> tuple[str, dict[str, Any]]:
+    """Load a peer's metadata; prepare its per-item lists (one per memory kind). Returns (its
+    agent name, the lists by kind)."""
     name = agent.add_remote_agent(metadata)
     name = name.decode() if isinstance(name, bytes) else name
-    items = agent.prep_xfer_dlist(name, table.item_rows(), "DRAM") if table.regions else None
+    items = {kind: agent.prep_xfer_dlist(name, table.item_rows(kind), kind) for kind in table.kinds}
     agent.make_connection(name)
     return name, items
 
 
-def disconnect(agent, name: str, items: Any) -> None:
-    if items is not None:
-        items.release()
+def disconnect(agent, name: str, items: dict[str, Any] | None) -> None:
+    for dlist in (items or {}).values():
+        dlist.release()
     agent.remove_remote_agent(name)
 
 
-def post(agent, local_items: Any, peer: str, remote_items: Any, xfers: list[Xfer]) -> None:
-    """Create and post each WRITE in order. With UCX cma the bytes are copied inside `transfer`."""
+def post(agent, local_items: dict[str, Any], peer: str, remote_items: dict[str, Any], xfers: list[Xfer]) -> None:
+    """Create and post each WRITE in order, from and to the lists of its memory kinds. With UCX
+    cma the bytes are copied inside `transfer`."""
     for i, x in enumerate(xfers):
         if x.fail:
             x.state, x.error = "ERR", "injected failure"
@@ -68,11 +74,11 @@ def post(agent, local_items: Any, peer: str, remote_items: Any, xfers: list[Xfer
         try:
             b = x.batch
             if b.by_item:
-                x.handle = agent.make_prepped_xfer("WRITE", local_items, b.local, remote_items,
-                                                   b.remote, x.notif)
+                x.handle = agent.make_prepped_xfer("WRITE", local_items[b.local_kind], b.local,
+                                                   remote_items[b.remote_kind], b.remote, x.notif)
             else:
-                x.dlists = (agent.prep_xfer_dlist(LOCAL, b.local, "DRAM"),
-                            agent.prep_xfer_dlist(peer, b.remote, "DRAM"))
+                x.dlists = (agent.prep_xfer_dlist(LOCAL, b.local, b.local_kind),
+                            agent.prep_xfer_dlist(peer, b.remote, b.remote_kind))
                 idx = np.arange(len(b.local), dtype=np.int32)
                 x.handle = agent.make_prepped_xfer("WRITE", x.dlists[0], idx, x.dlists[1], idx, x.notif)
             x.state = agent.transfer(x.handle)

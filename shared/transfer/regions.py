@@ -2,7 +2,10 @@
 
 `Descriptor` has the fields of `baton.shared.kv.Descriptor` and can be replaced by an import.
 `Region` is one region of a component, flattened: from a kv manifest component `c`,
-`Region(c.name, i, r.addr, r.nbytes, r.item_bytes) for i, r in enumerate(c.regions)`.
+`Region(c.name, i, r.addr, r.nbytes, r.item_bytes, c.mem_kind, c.device_id) for i, r in
+enumerate(c.regions)`. Its memory kind ("DRAM" host, "VRAM" a GPU's) and device id are what NIXL
+registers it as; the aux rows are host memory on every device (kv/store.py), so the tag is read
+and written through a host pointer, never one into device memory.
 Everything here is pure logic on plain data: no NIXL calls, no threads.
 
 A region is a component's memory, keyed (component, index): Baton's KV components are item-major
@@ -13,7 +16,8 @@ per-layer layout `bench/transfer.py --layout layer` compares against).
 prepared once per agent and once per peer: the whole items of a descriptor become indices into
 those prepared lists (the aux row's prefix goes as its whole row, so a worker's request is one
 WRITE); what is left (any descriptor not on item boundaries) is sent as byte ranges through a
-list prepared for that request.
+list prepared for that request. Prepared lists are one per memory kind (NIXL's lists have one),
+so a request whose KV is in VRAM and aux row in DRAM is two WRITEs.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import numpy as np
 AUX_KEY = "aux/AUX"  # component key of the aux region (= baton.shared.kv's aux component name)
 TAG_BYTES = 8  # an aux row starts with the request tag, u64 little-endian (written by the sender)
 MAX_TAG = (1 << 64) - 1
+MEM_KINDS = ("DRAM", "VRAM")  # NIXL's names for host and GPU memory
 SMALL_PLAN = 32  # descriptors up to which `resolve` first tries plain Python (`_whole_items`)
 _ADDRESS_END = 1 << 63
 
@@ -32,7 +37,7 @@ _ADDRESS_END = 1 << 63
 def regions_of(manifest) -> list[Region]:
     """NIXL regions of a kv manifest (`baton.shared.kv.manifest.Manifest`, duck-typed: this module
     stays plain data): one per component region (item-major: every layer in each item)."""
-    return [Region(comp.name, i, r.addr, r.nbytes, r.item_bytes)
+    return [Region(comp.name, i, r.addr, r.nbytes, r.item_bytes, comp.mem_kind, comp.device_id)
             for comp in manifest.components for i, r in enumerate(comp.regions)]
 
 
@@ -47,6 +52,8 @@ class Region:
     addr: int
     nbytes: int
     item_bytes: int
+    mem_kind: str = "DRAM"  # NIXL memory kind: DRAM | VRAM
+    device_id: int = 0  # the GPU of a VRAM region (0 for DRAM)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -74,12 +81,15 @@ class Batch:
 
     `by_item`: `local`/`remote` are int32 indices into the prepared per-item lists (whole items of
     any component). Otherwise they are [n, 3] uint64 rows (addr, nbytes, device 0) for a one-off
-    prepared list (byte ranges). `components`: the component keys it carries, sorted."""
+    prepared list (byte ranges). `components`: the component keys it carries, sorted.
+    `local_kind`, `remote_kind`: the memory kind of its bytes on each side (one per WRITE)."""
     components: tuple[str, ...]
     nbytes: int
     by_item: bool
     local: np.ndarray
     remote: np.ndarray
+    local_kind: str = "DRAM"
+    remote_kind: str = "DRAM"
 
     @property
     def label(self) -> str:
@@ -89,28 +99,31 @@ class Batch:
 
 class RegionTable:
     """The regions of one agent (ours or a peer's), validated, with each region's first index in
-    the agent's prepared per-item descriptor list (regions in the given order, items in order)."""
+    the agent's prepared per-item descriptor list of its memory kind (one list per kind, in
+    `kinds` order; regions in the given order, items in order)."""
 
     def __init__(self, regions: list[Region], owner: str):
         self.owner = owner
         self.regions = list(regions)
+        self.kinds = tuple(dict.fromkeys(r.mem_kind for r in self.regions))  # memory kinds, first seen first
         self._by_key: dict[tuple[str, int], Region] = {}
         first_item: list[int] = []
-        count = 0
+        count = dict.fromkeys(self.kinds, 0)  # items so far in each kind's list
         for r in self.regions:
             _check_region(r, owner)
             if r.key in self._by_key:
                 raise ValueError(f"{owner}: region {r.key} is registered twice")
             self._by_key[r.key] = r
-            first_item.append(count)
-            count += r.num_items
-        spans = sorted(self.regions, key=lambda r: r.addr)
+            first_item.append(count[r.mem_kind])
+            count[r.mem_kind] += r.num_items
+        spans = sorted(self.regions, key=lambda r: (r.mem_kind, r.device_id, r.addr))
         for a, b in zip(spans, spans[1:]):
-            if a.addr + a.nbytes > b.addr:
+            if (a.mem_kind, a.device_id) == (b.mem_kind, b.device_id) and a.addr + a.nbytes > b.addr:
                 raise ValueError(f"{owner}: regions {a.key} and {b.key} overlap in memory")
-        # [regions, 4] int64 (item_bytes, addr, nbytes, first item): what `columns` gathers from
-        self._columns = np.array([(r.item_bytes, r.addr, r.nbytes, first) for r, first in
-                                  zip(self.regions, first_item)], dtype=np.int64).reshape(-1, 4)
+        # [regions, 6] int64 (item_bytes, addr, nbytes, first item, kind index, device id): what
+        # `columns` gathers from
+        self._columns = np.array([(r.item_bytes, r.addr, r.nbytes, first, self.kinds.index(r.mem_kind), r.device_id)
+                                  for r, first in zip(self.regions, first_item)], dtype=np.int64).reshape(-1, 6)
         self.first_item = {r.key: first for r, first in zip(self.regions, first_item)}  # index of its item 0
         # the row of region (component, layer) is _row_of[_layer_base[component] + layer], -1 if none
         self._layer_base: dict[str, int] = {}
@@ -123,10 +136,11 @@ class RegionTable:
             row_of += [layers.get(i, -1) for i in range(count)]
         self._row_of = np.array(row_of, dtype=np.int64)
 
-    def item_rows(self) -> np.ndarray:
-        """[num_items_total, 3] uint64 rows (addr, item_bytes, device 0), in index order."""
-        rows = [_rows(r.addr + r.item_bytes * np.arange(r.num_items, dtype=np.uint64), r.item_bytes)
-                for r in self.regions]
+    def item_rows(self, kind: str) -> np.ndarray:
+        """[items of that kind, 3] uint64 rows (addr, item_bytes, device id), in index order: the
+        per-item list of memory kind `kind`."""
+        rows = [_rows(r.addr + r.item_bytes * np.arange(r.num_items, dtype=np.uint64), r.item_bytes, r.device_id)
+                for r in self.regions if r.mem_kind == kind]
         return np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.uint64)
 
     def region(self, key: tuple[str, int]) -> Region:
@@ -136,7 +150,7 @@ class RegionTable:
         return region
 
     def columns(self, names: list[str], component: np.ndarray, layers: np.ndarray) -> np.ndarray:
-        """[n, 4] int64 (item_bytes, addr, nbytes, first item) of the region of component
+        """[n, 6] int64 (item_bytes, addr, nbytes, first item, kind index, device id) of the region of component
         names[component[i]], layer layers[i], for each i; DescriptorError naming the first (component,
         layer) that has no region."""
         base = np.array([self._layer_base.get(k, -1) for k in names], dtype=np.int64)[component]
@@ -151,9 +165,10 @@ class RegionTable:
 
 
 def resolve(descriptors: list[Descriptor], local: RegionTable, remote: RegionTable) -> list[Batch]:
-    """Resolve a transfer's descriptors (every component, aux row included) into at most two
-    WRITEs: the whole items of every component by index into the prepared per-item lists, then
-    the byte ranges (anything not on item boundaries) through one-off lists. An aux prefix on a
+    """Resolve a transfer's descriptors (every component, aux row included) into as few WRITEs
+    as the memory kinds allow (one where both sides keep everything in one kind, as on the CPU):
+    the whole items of every component by index into the prepared per-item lists, then the byte
+    ranges (anything not on item boundaries) through one-off lists, each per pair of kinds. An aux prefix on a
     row boundary goes as its whole row, so a plan of whole pages and slots is one WRITE. A
     descriptor starting on an item boundary on both sides sends its whole items by index and its
     tail as a range; any other descriptor is one range. One WRITE per request, not one per
@@ -176,13 +191,14 @@ def _whole_items(descriptors: list[Descriptor], local: RegionTable, remote: Regi
     sides, exactly one aux; None for anything else, which the vectorised path resolves or refuses."""
     local_items: list[int] = []
     remote_items: list[int] = []
-    carried, nbytes, auxes = set(), 0, 0
+    carried, nbytes, auxes, kinds = set(), 0, 0, set()
     for x in descriptors:
         key = (x.component_key, x.layer_index)
         src, dst = local._by_key.get(key), remote._by_key.get(key)
         if src is None or dst is None or src.item_bytes != dst.item_bytes or \
                 not type(x.nbytes) is type(x.src_offset) is type(x.dst_offset) is int:
             return None
+        kinds.add((src.mem_kind, dst.mem_kind))
         ib, n = src.item_bytes, x.nbytes
         if x.component_key == AUX_KEY:
             auxes += 1
@@ -196,10 +212,11 @@ def _whole_items(descriptors: list[Descriptor], local: RegionTable, remote: Regi
         remote_items += range(first_dst, first_dst + count)
         carried.add(x.component_key)
         nbytes += n
-    if auxes != 1:
+    if auxes != 1 or len(kinds) != 1:
         return None
+    (local_kind, remote_kind), = kinds
     return [Batch(tuple(sorted(carried)), nbytes, True, np.array(local_items, dtype=np.int32),
-                  np.array(remote_items, dtype=np.int32))]
+                  np.array(remote_items, dtype=np.int32), local_kind, remote_kind)]
 
 
 def _resolve_vectorised(descriptors: list[Descriptor], local: RegionTable, remote: RegionTable) -> list[Batch]:
@@ -216,8 +233,8 @@ def _resolve_vectorised(descriptors: list[Descriptor], local: RegionTable, remot
     if aux.sum() != 1 or nbytes[aux][0] < TAG_BYTES:
         raise DescriptorError(f"transfer needs exactly one aux descriptor of >= {TAG_BYTES} bytes")
     keys = list(names)
-    ib, src_addr, src_size, src_first = local.columns(keys, component, layer).T
-    dst_ib, dst_addr, dst_size, dst_first = remote.columns(keys, component, layer).T
+    ib, src_addr, src_size, src_first, src_kind, src_dev = local.columns(keys, component, layer).T
+    dst_ib, dst_addr, dst_size, dst_first, dst_kind, dst_dev = remote.columns(keys, component, layer).T
     if (ib != dst_ib).any():
         i = int(np.argmax(ib != dst_ib))
         raise DescriptorError(f"component {keys[component[i]]!r} layer {layer[i]}: item sizes differ "
@@ -238,30 +255,34 @@ def _resolve_vectorised(descriptors: list[Descriptor], local: RegionTable, remot
     items = np.where(aligned, nbytes // ib, 0)  # [n] whole items
     tail = nbytes - items * ib  # [n] bytes sent as a range
     batches = []
-    if items.any():
-        owner = np.repeat(np.arange(len(d)), items)  # [items total] descriptor of each item
-        within = np.arange(owner.size) - np.repeat(np.cumsum(items) - items, items)
-        local_items = (src_first + src_off // ib)[owner] + within
-        remote_items = (dst_first + dst_off // ib)[owner] + within
-        batches.append(Batch(_carried(keys, component[items > 0]), int((items * ib).sum()), True,
-                             local_items.astype(np.int32), remote_items.astype(np.int32)))
-    if tail.any():
-        r = tail > 0
-        start = (items * ib)[r]
-        size = tail[r].astype(np.uint64)
-        batches.append(Batch(_carried(keys, component[r]), int(size.sum()), False,
-                             _rows((src_addr + src_off)[r] + start, size),
-                             _rows((dst_addr + dst_off)[r] + start, size)))
-    return batches
+    for kind_pair in sorted(set(zip(src_kind.tolist(), dst_kind.tolist()))):
+        same = (src_kind == kind_pair[0]) & (dst_kind == kind_pair[1])  # [n] descriptors of this pair
+        kinds = (local.kinds[kind_pair[0]], remote.kinds[kind_pair[1]])
+        n_items = np.where(same, items, 0)
+        if n_items.any():
+            owner = np.repeat(np.arange(len(d)), n_items)  # [items total] descriptor of each item
+            within = np.arange(owner.size) - np.repeat(np.cumsum(n_items) - n_items, n_items)
+            local_items = (src_first + src_off // ib)[owner] + within
+            remote_items = (dst_first + dst_off // ib)[owner] + within
+            batches.append(Batch(_carried(keys, component[n_items > 0]), int((n_items * ib).sum()), True,
+                                 local_items.astype(np.int32), remote_items.astype(np.int32), *kinds))
+        r = same & (tail > 0)
+        if r.any():
+            start = (items * ib)[r]
+            size = tail[r].astype(np.uint64)
+            batches.append(Batch(_carried(keys, component[r]), int(size.sum()), False,
+                                 _rows((src_addr + src_off)[r] + start, size, src_dev[r]),
+                                 _rows((dst_addr + dst_off)[r] + start, size, dst_dev[r]), *kinds))
+    return sorted(batches, key=lambda b: not b.by_item)  # whole items first, as before
 
 
 def _carried(keys: list[str], component: np.ndarray) -> tuple[str, ...]:
     return tuple(sorted(keys[i] for i in np.unique(component)))
 
 
-def _rows(addrs: np.ndarray, sizes) -> np.ndarray:
-    rows = np.zeros((len(addrs), 3), dtype=np.uint64)  # (addr, nbytes, device id 0)
-    rows[:, 0], rows[:, 1] = addrs, sizes
+def _rows(addrs: np.ndarray, sizes, devices) -> np.ndarray:
+    rows = np.zeros((len(addrs), 3), dtype=np.uint64)  # (addr, nbytes, device id)
+    rows[:, 0], rows[:, 1], rows[:, 2] = addrs, sizes, devices
     return rows
 
 
@@ -278,11 +299,17 @@ def read_tag(region: Region, offset: int) -> int:
 
 
 def _check_row(region: Region, offset: int) -> None:
+    if region.mem_kind != "DRAM":  # a host pointer into device memory would crash the process
+        raise ValueError(f"aux region {region.key} is {region.mem_kind}: tags are read and written in host "
+                         "memory only (the store keeps its aux rows there on every device)")
     if not 0 <= offset <= region.nbytes - TAG_BYTES:
         raise ValueError(f"aux offset {offset} is outside region {region.key} ({region.nbytes} bytes)")
 
 
 def _check_region(r: Region, owner: str) -> None:
+    if r.mem_kind not in MEM_KINDS or r.device_id < 0:
+        raise ValueError(f"{owner}: region {r.key} has memory kind {r.mem_kind!r} device {r.device_id}; "
+                         f"expected one of {', '.join(MEM_KINDS)} and a device id >= 0")
     if "," in r.component_key:  # notices list components comma-separated
         raise ValueError(f"{owner}: component key {r.component_key!r} must not contain ','")
     if r.addr <= 0 or r.item_bytes <= 0 or r.nbytes <= 0 or r.nbytes % r.item_bytes:

@@ -50,9 +50,9 @@ class TransferResult:
 
 @dataclass(frozen=True, eq=False)
 class Destination:
-    """A peer's regions and its per-item prepared list (NIXL handle; None if it has no regions)."""
+    """A peer's regions and its per-item prepared lists (NIXL handles) by memory kind."""
     table: RegionTable
-    items: Any
+    items: dict[str, Any]
 
 
 @dataclass(eq=False)
@@ -76,7 +76,7 @@ class _Write:
 class Sender:
     def __init__(self, nixl: NixlThread, table: RegionTable, items: Any, metrics: TransferMetrics,
                  send: Callable[[str, Notice], None], faults: Faults):
-        """`items`: our per-item prepared list (None once the agent closed); `send(peer, notice)`
+        """`items`: our per-item prepared lists by memory kind (None once the agent closed); `send(peer, notice)`
         queues a notice."""
         self.faults = faults
         self.items = items
@@ -98,8 +98,9 @@ class Sender:
     async def write(self, peer: str, dest: Destination | None, descriptors: list[Descriptor], tag: int,
                     deadline_s: float) -> TransferResult:
         """WRITE the plan's regions and the aux row stamped with `tag` into `dest`, as one WRITE
-        of whole items and, if needed, one of byte ranges (`resolve`); each notifies the peer
-        with (tag, its components, WRITE i of n). Never raises for a bad request."""
+        of whole items and, if needed, one of byte ranges per pair of memory kinds (`resolve`; on
+        the CPU one WRITE); each notifies the peer with (tag, its components, WRITE i of n).
+        Never raises for a bad request."""
         start = time.monotonic()
         if tag in self._aborted:
             return TransferResult(tag, peer, TransferStatus.ABORTED, error="receiver aborted the request")
