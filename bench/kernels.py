@@ -6,10 +6,13 @@
 Attention cases are verify steps (k+1 = 4 queries per request) and decode (1 query) over a paged
 cache with shuffled page tables, GQA 32/8 heads x 128 dims, full attention and a sliding window.
 Columns:
-  triton ms     kernels.chunk_attention_triton (gathers rows itself, one launch)
   ref ms        kernels.chunk_attention_reference (torch gather + cat + masked SDPA: the CPU path)
   sdpa ms       masked SDPA alone on K/V already gathered and contiguous (no gather: a floor for
                 what torch can do, not a usable path)
+  splits        ranges of cached keys the automatic split-K rule picks (1: one pass, no merge)
+  triton ms     kernels.chunk_attention_triton as served (gathers rows itself; the automatic
+                rule: one launch, or split + merge launches when splits > 1)
+  1-split ms    the same forced to num_splits=1, only where the rule splits (what splitting gains)
   KV GB/s       K/V bytes the kernel must read / triton time
   max err       |triton - reference| on valid queries (fp32 reference)
 Pack cases copy a request's window rows (ring wrap, all layers of a component) into a staging
@@ -89,7 +92,8 @@ def bench_attention(args, triton_ok: bool) -> list[dict]:
     contexts = (64,) if args.small else (1024, 8192)
     dtype = DTYPES[args.dtype]
     if triton_ok:
-        from baton.kernels.chunk_attention_triton import chunk_attention_triton
+        from baton.kernels.chunk_attention_triton import (auto_num_splits, chunk_attention_triton,
+                                                           default_block_n)
     for window in (None, 16 if args.small else 4096):
         for ctx in contexts:
             for B in batches:
@@ -100,9 +104,14 @@ def bench_attention(args, triton_ok: bool) -> list[dict]:
                                           args.warmup, args.iters)
                     row["sdpa_ms"] = timer(args.device, sdpa_only(case), args.warmup, args.iters)
                     if triton_ok:
+                        M = case[6].shape[1]
+                        row["splits"] = auto_num_splits(B, Q, H, Hkv, M, default_block_n())
                         row["triton_ms"] = timer(args.device, lambda: chunk_attention_triton(*case),
                                                  args.warmup, args.iters)
-                        M = case[6].shape[1]
+                        if row["splits"] > 1:
+                            row["nosplit_ms"] = timer(
+                                args.device, lambda: chunk_attention_triton(*case, num_splits=1),
+                                args.warmup, args.iters)
                         kv_bytes = 2 * B * (M + Q) * Hkv * D * case[0].element_size()
                         row["kv_gbps"] = kv_bytes / row["triton_ms"] / 1e6
                         ref = chunk_attention_reference(*(a.float() if isinstance(a, torch.Tensor)
@@ -110,7 +119,9 @@ def bench_attention(args, triton_ok: bool) -> list[dict]:
                         row["max_err"] = (chunk_attention_triton(*case).float() - ref).abs().max().item()
                     rows.append(row)
                     print(f"{B:4d} {Q:3d} {ctx:6d} {str(window):>6s} {row['ref_ms']:9.3f} "
-                          f"{row['sdpa_ms']:9.3f} {row.get('triton_ms', float('nan')):9.3f} "
+                          f"{row['sdpa_ms']:9.3f} {row.get('splits', 0):6d} "
+                          f"{row.get('triton_ms', float('nan')):9.3f} "
+                          f"{row.get('nosplit_ms', float('nan')):10.3f} "
                           f"{row.get('kv_gbps', float('nan')):8.1f} {row.get('max_err', float('nan')):9.2e}",
                           flush=True)
     return rows
@@ -162,7 +173,7 @@ def main() -> None:
         print("no CUDA device: torch columns only (Triton runs compiled on CUDA; bench/gpu_check.sh)")
     print(f"attention ({args.dtype}, device {args.device})\n"
           f"{'B':>4s} {'Q':>3s} {'ctx':>6s} {'window':>6s} {'ref ms':>9s} {'sdpa ms':>9s} "
-          f"{'triton ms':>9s} {'KV GB/s':>8s} {'max err':>9s}")
+          f"{'splits':>6s} {'triton ms':>9s} {'1-split ms':>10s} {'KV GB/s':>8s} {'max err':>9s}")
     attention = bench_attention(args, triton_ok)
     print(f"\npack/unpack ({args.dtype})\n{'L':>4s} {'rows':>6s} {'MiB':>9s} {'torch pk':>9s} "
           f"{'triton pk':>9s} {'torch up':>9s} {'triton up':>9s}   (GB/s)")

@@ -17,7 +17,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 
 from baton.kernels import attention as kernel_attention  # noqa: E402
 from baton.kernels.attention import chunk_attention, chunk_attention_reference  # noqa: E402
-from baton.kernels.chunk_attention_triton import chunk_attention_triton  # noqa: E402
+from baton.kernels.chunk_attention_triton import (  # noqa: E402
+    SPLIT_MAX, auto_num_splits, chunk_attention_triton, split_plan)
 
 pytestmark = pytest.mark.unit
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -199,6 +200,60 @@ def test_single_token_and_padding():
                           torch.full((3, 1), -1, dtype=torch.long, device=q.device), 3))
     valid = q_pos >= 0
     assert (out[valid] - ref[valid]).abs().max() < 2e-5
+
+
+# split-K: one long request's cached keys in ranges of whole 16-key blocks, merged afterwards.
+# 4 ranges over M = 230 keys (full) are 64+64+64+38, over M = 149 (window 150) 48+48+48+5; the
+# short second request's later ranges hold only padding (they see nothing).
+@pytest.mark.parametrize("layout,window", [("paged", None), ("paged", 150), ("ring", 150)],
+                         ids=["full-paged", "swa-paged", "swa-ring"])
+@pytest.mark.parametrize("Q", [1, 4], ids=["decode", "verify"])
+def test_split_k_matches_reference(layout, window, Q):
+    args = make_batch([(230, Q), (41, 1)], layout=layout, window=window, H=6, Hkv=2, D=24,
+                      dtype=torch.float32, seed=10)
+    M = args[6].shape[1]
+    splits, keys = split_plan(M, 4, 16)
+    assert splits == 4 and 0 < M - 3 * keys < keys, "uneven last range"
+    assert_matches(args, chunk_attention_triton(*args, block_n=16, num_splits=4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_k_ranges_that_see_nothing(dtype):
+    """Window 8 far ahead of 299 cached keys in 5 ranges of 64 (the last 43): four ranges of the
+    decode lie wholly behind its window, and the verify's last three hold only padding. They
+    leave m = -inf, l = 0 and must merge to nothing, without NaNs."""
+    args = make_batch([(300, 1), (120, 4)], layout="paged", window=8, H=4, Hkv=2, D=16,
+                      dtype=dtype, seed=11, page_size=8, lookback=299)
+    assert split_plan(args[6].shape[1], 5, 16) == (5, 64)
+    out = chunk_attention_triton(*args, block_n=16, num_splits=5)
+    assert not out.isnan().any()
+    assert_matches(args, out)
+
+
+def test_auto_split_rule():
+    """Split only while the plain grid is small: 1 x 8192 keys on 8 KV heads is 8 programs, cut
+    16 ways (512 keys each) to reach 128; 16 or 64 verifies fill the grid alone; a short context
+    has too few blocks to share; the count is capped. Ranges tile 0..M-1 in whole blocks."""
+    assert auto_num_splits(1, 1, 32, 8, 8192, block_n=32) == 16
+    assert auto_num_splits(1, 4, 32, 8, 8192, block_n=32) == 16  # 4 queries x 4 heads: one tile
+    assert auto_num_splits(16, 4, 32, 8, 8192, block_n=32) == 1
+    assert auto_num_splits(64, 1, 32, 8, 8192, block_n=32) == 1
+    assert auto_num_splits(1, 1, 32, 8, 256, block_n=32) == 1
+    assert auto_num_splits(1, 1, 8, 1, 10 ** 6, block_n=32) == SPLIT_MAX
+    for M, wanted in [(230, 4), (149, 4), (299, 5), (10, 8), (8192, 16), (1, 1)]:
+        splits, keys = split_plan(M, wanted, 16)
+        assert keys % 16 == 0 and splits <= wanted and (splits - 1) * keys < M <= splits * keys
+
+
+def test_auto_rule_is_what_runs():
+    """The default (num_splits=None) takes the rule's split for one long request: 300 keys of
+    one KV head in blocks of 16 make 2 ranges, bit for bit the forced split."""
+    args = make_batch([(300, 1)], layout="paged", window=None, H=4, Hkv=1, D=16,
+                      dtype=torch.float32, seed=12, page_size=8)
+    assert auto_num_splits(1, 1, 4, 1, args[6].shape[1], block_n=16) == 2
+    out = chunk_attention_triton(*args, block_n=16)
+    assert_matches(args, out)
+    assert torch.equal(out, chunk_attention_triton(*args, block_n=16, num_splits=2))
 
 
 def test_dispatch(monkeypatch):
