@@ -16,11 +16,19 @@
 # 2. runs tests/test_kernels_*.py compiled on the GPU (TRITON_INTERPRET unset: the tests pick
 #    CUDA by themselves when torch sees one)
 # 3. runs the kernel micro-benchmark (bench/kernels.py: Triton vs torch reference / SDPA) in bf16 and fp16
+# 3b. runs the whole system on the GPU (BATON_WORKER_DEVICE=cuda: every worker's model, KV store and
+#    engine tensors on cuda, fp32): the end-to-end greedy tests against `transformers`, spec on and
+#    off, every draft-state mode, prompts below, at and above the window (tests/test_e2e_spec.py)
+# 3c. bench/gpu_engine.py: in-process decode tok/s in fp32 and bf16 at batch 1 and 32, spec on and
+#    off, and greedy agreement with `transformers` on the same device (fp32 must be exact)
 # 4. runs the NIXL transfer benchmark (bench/transfer.py) with VRAM when it has such an option,
 #    else in DRAM (allocator page tables after churn, as Baton makes them), and says so; in DRAM
 #    once per number of copy threads in $COPY_THREADS (default "0 4 8": a many-core host is where
 #    parallel copies should pay off)
-# Everything it prints also lands in $OUT (default out/gpu): tests.txt, kernels_*.json, transfer.json.
+# 4b. bench/transfer_vram.py: NIXL VRAM -> VRAM WRITEs between two processes on one GPU, next to a
+#    same-run torch copy on the device
+# Everything it prints also lands in $OUT (default out/gpu): tests.txt, kernels_*.json, system_fp32.txt,
+# engine.json, transfer*.json.
 # Exit status: non-zero if any step failed (every step runs regardless).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +104,9 @@ unset TRITON_INTERPRET
 step tests env BATON_KERNELS=auto "$PY" -m pytest -q -p no:cacheprovider --noconftest -rs tests/test_kernels_*.py
 step kernels_bf16 "$PY" bench/kernels.py --dtype bf16 --json "$OUT/kernels_bf16.json"
 step kernels_fp16 "$PY" bench/kernels.py --dtype fp16 --json "$OUT/kernels_fp16.json"
+step system_fp32 env BATON_WORKER_DEVICE=cuda BATON_WORKER_DTYPE=float32 "$PY" -m pytest -q -p no:cacheprovider \
+  -rs tests/test_e2e_spec.py -k "draft_state_mode or speculation_off"
+step engine "$PY" bench/gpu_engine.py --device cuda --json "$OUT/engine.json"
 
 HELP=$("$PY" bench/transfer.py --help 2>&1 || true)
 if ! importable nixl_cu12; then
@@ -112,6 +123,10 @@ else
     step "transfer_t$t" "$PY" bench/transfer.py --shape churn --sizes 1M,16M,64M,256M --iters 10 \
       --copy-threads "$t" --json "$OUT/transfer_t$t.json"
   done
+fi
+
+if importable nixl_cu12; then
+  step transfer_vram "$PY" bench/transfer_vram.py --device cuda --json "$OUT/transfer_vram.json"
 fi
 
 if [ ${#FAILED[@]} -gt 0 ]; then
