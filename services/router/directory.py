@@ -12,7 +12,7 @@ from typing import Callable
 
 from baton.proto import subjects
 from baton.proto.codec import decode
-from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.errors import BatonError
 from baton.proto.internal import LookupReply, LookupRequest, PlanReply, PlanRequest, WorkerEvent, WorkerInfo
 from baton.shared.bus import Bus
 
@@ -29,10 +29,8 @@ class Directory:
         self._plans: dict[tuple[str, str], dict] = {}
         self._outstanding: dict[str, int] = {}  # in flight from this router: prompt tokens per prefill, requests per decode
         self._seen_at: dict[str, float] = {}  # worker id -> when this view first listed it (monotonic)
-        self._refreshed_at = 0.0
         self._lookups_started = 0
         self._lookup_applied = 0  # the newest lookup whose answer is the view: an older one never overwrites it
-        self._changed = asyncio.Event()
         self.on_left: Callable[[str, str], None] = lambda worker_id, reason: None  # set by the router
         self.on_refresh: Callable[[], None] = lambda: None  # after each view the registry gave
 
@@ -58,8 +56,7 @@ class Directory:
         now = time.monotonic()
         for worker_id in fresh:
             self._seen_at.setdefault(worker_id, now)
-        self.workers, self._refreshed_at = fresh, time.monotonic()
-        self._changed.set()
+        self.workers = fresh
         self.on_refresh()
         return True
 
@@ -97,19 +94,6 @@ class Directory:
                                            PlanReply, timeout=2.0)
             self._plans[key] = reply.plan
         return self._plans[key]
-
-    async def wait_for(self, prefill: int, decode: int, timeout_s: float) -> None:
-        """Until at least this many workers of each role are known (start-up)."""
-        deadline = time.monotonic() + timeout_s
-        while len(self.of_role("prefill")) < prefill or len(self.of_role("decode")) < decode:
-            if time.monotonic() > deadline:
-                raise BatonError(ErrorCode.UNAVAILABLE, f"fewer than {prefill} prefill / {decode} decode workers")
-            self._changed.clear()
-            await self.refresh()
-            try:
-                await asyncio.wait_for(self._changed.wait(), self.refresh_s)
-            except asyncio.TimeoutError:
-                pass
 
     def _forget(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)

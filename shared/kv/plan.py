@@ -76,13 +76,6 @@ class TransferPlan:
                     for s, d, n in runs]
         return out
 
-    def addresses(self, descriptors: list[Descriptor]) -> list[tuple[int, int, int]]:
-        """(src_addr, dst_addr, nbytes) of each descriptor, from the manifests' regions."""
-        pairs = {p.src.name: p for p in self.pairs}
-        return [(pairs[d.component_key].src.regions[d.layer_index].addr + d.src_offset,
-                 pairs[d.component_key].dst.regions[d.layer_index].addr + d.dst_offset, d.nbytes)
-                for d in descriptors]
-
 
 def make_plan(prefill: Manifest, decode: Manifest) -> TransferPlan:
     if prefill.fingerprint != decode.fingerprint:

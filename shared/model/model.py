@@ -96,7 +96,3 @@ class BatonLM(nn.Module):
             if isinstance(module, SelfAttention) or (onednn and isinstance(module, Linear)):
                 module.pack()
         return self
-
-    def target_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items()
-                if not k.startswith("mtp.") and not (self.cfg.tie_word_embeddings and k == "lm_head.weight")}
