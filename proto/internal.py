@@ -141,6 +141,39 @@ class WorkerEvent:
     instance_id: str = ""  # the worker's instance the event is about
 
 
+# --- prefix caches (published by prefill workers, read by every router) ------------------
+
+@dataclass(frozen=True, kw_only=True)
+class CachedPrefix:
+    """One prompt end a prefill worker's prefix cache holds (shared/kv/prefix_cache.py)."""
+    blocks: Count  # whole blocks of `PrefixEvents.block` tokens that the digest covers
+    digest: Seed  # their chained digest (shared/kv/prefix_hash.py)
+    tokens: Count  # where the cached prompt ends: a prompt that extends it starts up to here
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixEvents:
+    """What changed in one prefill worker's prefix cache, or (snapshot) all it holds."""
+    worker_id: WorkerId
+    instance_id: str
+    seq: Count  # per instance: +1 per change message; a snapshot is current at this seq
+    block: Count  # tokens per block of the digests
+    added: list[CachedPrefix] = field(default_factory=list)
+    evicted: list[CachedPrefix] = field(default_factory=list)
+    snapshot: bool = False  # `added` is everything the cache holds (the reply to a PrefixQuery)
+
+    def validate(self, limits: Limits) -> None:
+        if self.block < 1:
+            raise bad_request(f"field 'block': must be >= 1, got {self.block}")
+        if self.snapshot and self.evicted:
+            raise bad_request("a snapshot lists what is held, not what was evicted")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixQuery:
+    """Ask a prefill worker for everything its prefix cache holds (reply: a PrefixEvents snapshot)."""
+
+
 # --- decode ----------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)

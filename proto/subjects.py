@@ -38,6 +38,9 @@ PLAN = f"{INTERNAL}.registry.plan"
 # --- published by the registry when a worker joins or leaves ---
 WORKER_EVENTS = f"{INTERNAL}.workers.events"
 
+# --- published by each prefill worker when its prefix cache changes; every router reads them ---
+PREFIX_EVENTS = f"{INTERNAL}.prefixes.events"
+
 # --- queue groups ---
 ROUTER_QUEUE = "baton-router"
 REGISTRY_QUEUE = "baton-registry"
@@ -61,6 +64,11 @@ def prefill_target(worker_id: str) -> str:
 
 def prefill_release(worker_id: str) -> str:
     return f"{INTERNAL}.prefill.{_checked(worker_id)}.release"
+
+
+def prefill_prefixes(worker_id: str) -> str:
+    """PrefixQuery -> PrefixEvents (snapshot): everything the worker's prefix cache holds."""
+    return f"{INTERNAL}.prefill.{_checked(worker_id)}.prefixes"
 
 
 def _checked(worker_id: str) -> str:

@@ -9,6 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from baton.proto.internal import CachedPrefix, PrefixEvents
+from baton.services.router.affinity import PrefixAffinity
 from baton.shared.engine.runner import ModelRunner, SpecConfig
 from baton.shared.engine.sequence import Sequence
 from baton.shared.kv.allocator import OutOfCapacity
@@ -199,6 +201,31 @@ def _check_content(store, rid: str, prompt: list[int], upto: int) -> None:
             assert torch.equal(got, want), (key.name, layer)
 
 
+class RouterView:
+    """A router's index fed the cache's changes as the prefill service sends them (a message per
+    batch, a snapshot when asked); after each message it must hold exactly what the cache holds."""
+
+    def __init__(self) -> None:
+        self.index = PrefixAffinity()
+
+    def tell(self, cache: PrefixCache, snapshot: bool, batch_ends: bool) -> None:
+        if snapshot or not self.index.knows("w", "i"):
+            seq, held = cache.snapshot()
+            assert self.index.apply(PrefixEvents(worker_id="w", instance_id="i", seq=seq, block=PS, snapshot=True,
+                                                 added=[CachedPrefix(**vars(e)) for e in held]))
+        elif batch_ends and (changes := cache.take_changes()) is not None:
+            seq, added, evicted = changes
+            assert self.index.apply(PrefixEvents(worker_id="w", instance_id="i", seq=seq, block=PS,
+                                                 added=[CachedPrefix(**vars(e)) for e in added],
+                                                 evicted=[CachedPrefix(**vars(e)) for e in evicted]))
+        else:
+            return  # the batch goes on: changes stay pending
+        view = self.index._views["w"]
+        told = sorted((blocks, digest, t) for (blocks, digest), ends in view.ends.items() for t in ends.elements())
+        held = sorted((e.blocks, e.digest, e.tokens) for e in cache.snapshot()[1])
+        assert told == held
+
+
 turns_st = st.lists(st.tuples(st.sampled_from(["extend", "repeat", "diverge", "new"]), st.integers(1, 3 * W),
                               st.booleans()), min_size=1, max_size=25)
 
@@ -209,6 +236,7 @@ def test_random_conversations_keep_the_cache_consistent(model, ops, mode, entrie
     rng = random.Random(seed)
     store = KVStore(model.cfg, mode=mode, num_pages=40, page_size=PS, num_slots=4, max_draft_tokens=K)
     cache = PrefixCache(store, entries, model.cfg.hidden_size)
+    told = RouterView()
     hidden = torch.zeros(200, model.cfg.hidden_size)
     history, live = [[1, 2, 3]], []
     for n, (op, extra, keep) in enumerate(ops):
@@ -234,11 +262,13 @@ def test_random_conversations_keep_the_cache_consistent(model, ops, mode, entrie
         live.append(rid)
         history.append(prompt)
         cache.check_integrity()
+        told.tell(cache, snapshot=rng.random() < 0.1, batch_ends=keep)
     for rid in live:
         store.free(rid)
     cache.reclaim()
     cache.check_integrity()
-    assert store.pages.num_free == 40 and store.free_capacity().pages == 40
+    told.tell(cache, snapshot=False, batch_ends=True)
+    assert store.pages.num_free == 40 and store.free_capacity().pages == 40 and len(told.index) == 0
 
 
 def test_a_turn_whose_next_turn_is_cached_goes_first_when_slots_run_out(model):

@@ -8,11 +8,15 @@ import time
 import pytest
 
 from baton.proto import subjects
+from baton.proto.codec import decode
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, LookupReply, LookupRequest, PlanReply, PlanRequest, PrefillDispatch,
-                                  PrefillDone, PrefillTarget, ReleaseRequest, SamplingParams)
+                                  PrefillDone, PrefillTarget, PrefixEvents, PrefixQuery, ReleaseRequest,
+                                  SamplingParams)
 from baton.proto.public import GenerateReply, GenerateRequest
+from baton.services.router.affinity import PrefixAffinity
 from baton.shared.bus import Bus
+from baton.shared.kv.prefix_hash import digests
 from e2e_cluster import running_cluster, wait_all_free
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -135,5 +139,38 @@ def test_bad_prompt_is_refused_before_it_takes_slots(cluster, token_ids):
             bad = PrefillDispatch(request_id="bad-prompt", token_ids=token_ids, sampling=SamplingParams())
             got = await outcome(bus.request(subjects.prefill_dispatch(worker), bad, PrefillDone, timeout=10))
             assert isinstance(got, BatonError) and got.code is ErrorCode.BAD_REQUEST, got
+        await wait_all_free(cluster.nats_url, timeout_s=DEADLINE_S / 2)
+    asyncio.run(run())
+
+
+def test_prefill_tells_routers_what_its_prefix_cache_holds(cluster):
+    """A computed prompt's end is published as PrefixEvents with the digest a router computes from
+    the same tokens; a snapshot lists it too, and a router index fed the snapshot finds the worker."""
+    async def run():
+        async with await Bus.connect(cluster.nats_url, "test") as bus:
+            worker = await worker_id(bus)
+            before = await bus.request(subjects.prefill_prefixes(worker), PrefixQuery(), PrefixEvents)
+            assert before.snapshot and before.worker_id == worker and not before.evicted
+            published: asyncio.Queue[PrefixEvents] = asyncio.Queue()
+
+            async def on_events(msg):
+                published.put_nowait(decode(msg.data, PrefixEvents))
+            await bus.subscribe(subjects.PREFIX_EVENTS, on_events)
+            await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)  # the subscription is on the server
+            prompt = list(range(3, 43))  # 40 tokens
+            reply = await bus.request(subjects.GENERATE, GenerateRequest(token_ids=prompt, max_tokens=4),
+                                      GenerateReply, timeout=60)
+            assert len(reply.token_ids) == 4
+            async with asyncio.timeout(10):  # the message of the batch that computed it
+                events = await published.get()
+                while not any(e.tokens == len(prompt) for e in events.added):
+                    events = await published.get()
+            assert events.worker_id == worker and events.seq > before.seq and events.block == 16
+            held = next(e for e in events.added if e.tokens == len(prompt))
+            assert held.digest == digests(prompt, 16, held.blocks)[-1] and held.blocks >= 1
+            after = await bus.request(subjects.prefill_prefixes(worker), PrefixQuery(), PrefixEvents)
+            assert held in after.added and after.seq >= events.seq
+            index = PrefixAffinity()  # a router that starts now
+            assert index.apply(after) and index.overlap(prompt + [9] * 20) == {worker: len(prompt)}
         await wait_all_free(cluster.nats_url, timeout_s=DEADLINE_S / 2)
     asyncio.run(run())

@@ -4,8 +4,11 @@ from dataclasses import replace
 
 import pytest
 
-from baton.proto.internal import LookupReply, WorkerInfo
+from baton.proto import subjects
+from baton.proto.codec import encode
+from baton.proto.internal import CachedPrefix, LookupReply, PrefixEvents, WorkerInfo
 from baton.services.router.directory import Directory
+from baton.shared.kv.prefix_hash import digests
 from proto_examples import LOAD, REGISTRATION
 
 pytestmark = pytest.mark.unit
@@ -61,7 +64,7 @@ def test_an_older_lookup_answering_late_does_not_overwrite_a_newer_view():
     asyncio.run(run())
 
 
-def test_a_worker_that_leaves_drops_out_of_the_prefix_record_at_once():
+def test_a_worker_that_leaves_drops_out_of_the_prefix_index_at_once():
     async def run():
         registry = Registry()
         directory = Directory(registry)
@@ -70,12 +73,50 @@ def test_a_worker_that_leaves_drops_out_of_the_prefix_record_at_once():
         registry.answer(0, [info("p0", "prefill"), info("p1", "prefill")])
         await refresh
         prompt = list(range(64))
-        directory.affinity.record(prompt, "p0")
-        directory.affinity.record(list(range(100, 132)), "p1")
+        for worker, held in (("p0", prompt), ("p1", list(range(100, 132)))):
+            directory.affinity.apply(snapshot(worker, [held]))
         assert directory.affinity.overlap(prompt + [7]) == {"p0": 64}
         refresh = asyncio.create_task(directory.refresh())  # the registry no longer lists p0
         await asyncio.sleep(0)
         registry.answer(1, [info("p1", "prefill")])
         await refresh
-        assert directory.affinity.overlap(prompt + [7]) == {} and len(directory.affinity) == 2
+        assert directory.affinity.overlap(prompt + [7]) == {} and len(directory.affinity) == 1
+    asyncio.run(run())
+
+
+def snapshot(worker: str, held: list[list[int]], seq: int = 1) -> PrefixEvents:
+    return PrefixEvents(worker_id=worker, instance_id=REGISTRATION.instance_id, seq=seq, block=16, snapshot=True,
+                        added=[CachedPrefix(blocks=len(p) // 16, digest=digests(p, 16)[-1], tokens=len(p))
+                               for p in held])
+
+
+class Msg:
+    def __init__(self, message) -> None:
+        self.data = encode(message)
+
+
+def test_prefix_events_with_a_gap_make_the_next_refresh_ask_that_worker_for_a_snapshot():
+    async def run():
+        asked: list[str] = []
+        prompt = list(range(64))
+
+        class Bus:
+            async def request(self, subject, message, reply_cls, timeout):
+                if reply_cls is LookupReply:
+                    return LookupReply(workers=[info("p0", "prefill")])
+                asked.append(subject)
+                return snapshot("p0", [prompt], seq=9)
+        directory = Directory(Bus())
+        await directory.refresh()
+        await directory.sync_prefixes()  # never seen: asked at once
+        assert asked == [subjects.prefill_prefixes("p0")] and directory.affinity.overlap(prompt + [1]) == {"p0": 64}
+        await directory.sync_prefixes()
+        assert len(asked) == 1  # known and current: not asked again
+        await directory._on_prefix_events(Msg(PrefixEvents(worker_id="p0", instance_id=REGISTRATION.instance_id,
+                                                           seq=11, block=16)))  # 10 went missing
+        await directory.sync_prefixes()
+        assert len(asked) == 2
+        await directory._on_prefix_events(Msg(PrefixEvents(worker_id="p9", instance_id="x", seq=1, block=16)))
+        await directory.sync_prefixes()
+        assert len(asked) == 2  # a worker the registry does not list is not asked
     asyncio.run(run())

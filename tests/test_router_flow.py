@@ -6,10 +6,11 @@ from types import SimpleNamespace
 import pytest
 
 from baton.proto.errors import BatonError, ErrorCode, NotListening
-from baton.proto.internal import PrefillDone, SamplingParams, TokenChunk
+from baton.proto.internal import CachedPrefix, PrefillDone, PrefixEvents, SamplingParams, TokenChunk
 from baton.proto.public import Logprobs, SpecStats, Timing
 from baton.services.router.affinity import PrefixAffinity
 from baton.services.router.flow import AttemptLost, DecodeLost, Flow, NoCapacity, RouterTimeouts, continued
+from baton.shared.kv.prefix_hash import digests
 
 pytestmark = pytest.mark.unit
 LATE = BatonError(ErrorCode.INTERNAL, "transfer of r: deadline passed")
@@ -238,15 +239,16 @@ def test_a_draining_prefill_is_never_picked_even_when_least_loaded():
 
 def test_a_follow_up_turn_goes_to_the_prefill_that_holds_its_prefix_unless_its_queue_outweighs_it():
     turn1 = list(range(1, 97))
-    f = Flow(None, Prefills(a=(0, False), b=(0, False)), None, RouterTimeouts(), "r", turn1, 4, SamplingParams(), None)
-    first = f._pick_prefill(f.directory.of_role("prefill"))
-    other = "b" if first == "a" else "a"
-    f.token_ids = turn1 + [5] * 40  # the next turn
-    assert f._pick_prefill(f.directory.of_role("prefill")) == first
-    f.directory.workers = [w for w in f.directory.workers if w.registration.worker_id == other] + [
-        SimpleNamespace(registration=SimpleNamespace(worker_id=first, role="prefill"),
-                        load=SimpleNamespace(queued_prompt_tokens=1000, draining=False))]
-    assert f._pick_prefill(f.directory.of_role("prefill")) == other  # 1000 queued tokens outweigh 96 cached
+    f = Flow(None, Prefills(a=(0, False), b=(0, False)), None, RouterTimeouts(), "r", turn1 + [5] * 40, 4,
+             SamplingParams(), None)
+    assert f._pick_prefill(f.directory.of_role("prefill")) == "a"  # nothing cached anywhere: the first least loaded
+    held = CachedPrefix(blocks=5, digest=digests(turn1, 16, 5)[-1], tokens=len(turn1))  # b's cache reports turn 1
+    f.directory.affinity.apply(PrefixEvents(worker_id="b", instance_id="i", seq=3, block=16, added=[held],
+                                            snapshot=True))
+    assert f._pick_prefill(f.directory.of_role("prefill")) == "b"
+    assert f._prefill_work == 40  # what b should compute
+    f.directory.workers[1].load.queued_prompt_tokens = 1000
+    assert f._pick_prefill(f.directory.of_role("prefill")) == "a"  # 1000 queued tokens outweigh 96 cached
 
 
 class OneDecode:

@@ -21,7 +21,8 @@ import torch
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.internal import Ack, PrefillDispatch, PrefillDone, PrefillTarget, ReleaseRequest, WorkerLoad
+from baton.proto.internal import (Ack, PrefillDispatch, PrefillDone, PrefillTarget, PrefixEvents, PrefixQuery,
+                                  ReleaseRequest, WorkerLoad)
 from baton.shared.bus import Bus
 from baton.shared.engine.runner import ModelRunner, PrefillOutput, SpecConfig
 from baton.shared.engine.sampling import SamplingParams
@@ -42,6 +43,7 @@ from baton.shared.metrics import ServiceMetrics, log_request
 from baton.shared.transfer.notices import request_tag
 from baton.shared.transfer.regions import regions_of
 from .jobs import Job, Jobs, Target
+from .prefix_events import changes_message, snapshot_message
 from ..worker import EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration
 
 log = logging.getLogger("baton.prefill")
@@ -97,6 +99,7 @@ class PrefillWorker:
             await self.bus.serve(subjects.prefill_dispatch(self.config.worker_id), PrefillDispatch, self.dispatch)
             await self.bus.serve(subjects.prefill_target(self.config.worker_id), PrefillTarget, self.target)
             await self.bus.serve(subjects.prefill_release(self.config.worker_id), ReleaseRequest, self.release)
+            await self.bus.serve(subjects.prefill_prefixes(self.config.worker_id), PrefixQuery, self.prefixes)
             await on_worker_left(self.bus, self._peer_left)
             batcher = asyncio.create_task(self._batcher(), name="prefill-batcher")
             await stop.wait()
@@ -180,6 +183,24 @@ class PrefillWorker:
                                                     f"released before its state had a target: {msg.reason}"))
         return Ack()
 
+    async def prefixes(self, _query: PrefixQuery) -> PrefixEvents:
+        """Everything the prefix cache holds, for a router that starts or missed a change."""
+        seq, held = await self.engine.call(self.cache.snapshot) if self.cache else (0, [])
+        return snapshot_message(self.config.worker_id, self.membership.registration.instance_id,
+                                self.store.page_size, seq, held)
+
+    async def _publish_prefixes(self) -> None:
+        """The cache's changes since the last batch, if any, to every router (in seq order: the
+        batcher alone publishes, one batch at a time)."""
+        changes = await self.engine.call(self.cache.take_changes) if self.cache else None
+        if changes is None:
+            return
+        try:
+            await self.bus.publish(subjects.PREFIX_EVENTS, changes_message(
+                self.config.worker_id, self.membership.registration.instance_id, self.store.page_size, changes))
+        except BatonError as exc:  # routers see the gap in seq and ask for a snapshot
+            log.warning("prefix cache changes %d not published: %s", changes[0], exc)
+
     def _plan(self, plain: dict) -> TransferPlan:
         """The router sends the same plan with every request to one decode peer: decode and check
         it once (keyed by its exact content), then reuse it."""
@@ -215,6 +236,7 @@ class PrefillWorker:
                 task = asyncio.create_task(self._deliver(job, seq, out, staged, prefill_ms))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+            await self._publish_prefixes()
 
     def _compute(self, jobs: list[Job]) -> list[tuple[Job, Sequence, PrefillOutput, Staged]]:
         """Engine thread: allocate, prefill the batch; stage the requests whose target is known."""

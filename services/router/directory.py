@@ -1,7 +1,9 @@
-"""The router's view of the cluster: live workers and transfer plans, cached from the registry.
+"""The router's view of the cluster: live workers and transfer plans, cached from the registry,
+and what each prefill worker's prefix cache holds, from the workers' events (affinity.py).
 
 Refreshed in the background and on worker events; when the registry is briefly down the last
-view keeps serving (requests keep flowing through a registry restart).
+view keeps serving (requests keep flowing through a registry restart). A prefill worker whose
+prefix view is missing or stale is asked for a snapshot at the next background refresh.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from typing import Callable
 from baton.proto import subjects
 from baton.proto.codec import decode
 from baton.proto.errors import BatonError
-from baton.proto.internal import LookupReply, LookupRequest, PlanReply, PlanRequest, WorkerEvent, WorkerInfo
+from baton.proto.internal import (LookupReply, LookupRequest, PlanReply, PlanRequest, PrefixEvents, PrefixQuery,
+                                  WorkerEvent, WorkerInfo)
 from baton.shared.bus import Bus
 
 from .affinity import PrefixAffinity
@@ -24,7 +27,8 @@ log = logging.getLogger("baton.router.directory")
 class Directory:
     def __init__(self, bus: Bus, affinity: PrefixAffinity | None = None, refresh_s: float = 0.5) -> None:
         self.bus, self.refresh_s = bus, refresh_s
-        self.affinity = affinity or PrefixAffinity()  # which prefill worker was sent which prompt prefix
+        self.affinity = affinity or PrefixAffinity()  # what each prefill worker's prefix cache holds
+        self._stale_prefixes: set[str] = set()  # prefill workers whose prefix events showed a gap
         self.workers: dict[str, WorkerInfo] = {}
         self._plans: dict[tuple[str, str], dict] = {}
         self._outstanding: dict[str, int] = {}  # in flight from this router: prompt tokens per prefill, requests per decode
@@ -36,7 +40,9 @@ class Directory:
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.WORKER_EVENTS, self._on_event)
+        await self.bus.subscribe(subjects.PREFIX_EVENTS, self._on_prefix_events)
         await self.refresh()
+        await self.sync_prefixes()
 
     async def refresh(self) -> bool:
         """Replace the view with the registry's; False (the last view kept) when it cannot be asked."""
@@ -64,6 +70,34 @@ class Directory:
         while True:
             await asyncio.sleep(self.refresh_s)
             await self.refresh()
+            await self.sync_prefixes()
+
+    async def sync_prefixes(self) -> None:
+        """Ask each prefill worker whose prefix view is missing or stale for a snapshot."""
+        asked = [w.registration.worker_id for w in self.of_role("prefill")
+                 if w.registration.worker_id in self._stale_prefixes
+                 or not self.affinity.knows(w.registration.worker_id, w.registration.instance_id)]
+        for worker_id, reply in zip(asked, await asyncio.gather(*map(self._prefix_snapshot, asked))):
+            if reply is not None and worker_id in self.workers:
+                self._stale_prefixes.discard(worker_id)
+                self.affinity.apply(reply)
+
+    async def _prefix_snapshot(self, worker_id: str) -> PrefixEvents | None:
+        try:
+            return await self.bus.request(subjects.prefill_prefixes(worker_id), PrefixQuery(), PrefixEvents,
+                                          timeout=1.0)
+        except BatonError as exc:  # tried again at the next refresh
+            log.debug("prefix snapshot of %s failed: %s", worker_id, exc)
+            return None
+
+    async def _on_prefix_events(self, msg) -> None:
+        try:
+            events = decode(msg.data, PrefixEvents)
+        except BatonError as exc:
+            log.warning("ignored malformed prefix events: %s", exc)
+            return
+        if events.worker_id in self.workers and not self.affinity.apply(events):
+            self._stale_prefixes.add(events.worker_id)
 
     def of_role(self, role: str) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.registration.role == role]
@@ -99,6 +133,7 @@ class Directory:
         self.workers.pop(worker_id, None)
         self._seen_at.pop(worker_id, None)
         self.affinity.forget(worker_id)
+        self._stale_prefixes.discard(worker_id)
         self._plans = {k: v for k, v in self._plans.items() if worker_id not in k}
 
     async def _on_event(self, msg) -> None:

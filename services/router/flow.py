@@ -269,7 +269,6 @@ class Flow:
             w.load.queued_prompt_tokens + self.directory.outstanding(w.registration.worker_id), len(self.token_ids),
             overlap.get(w.registration.worker_id, 0)))
         chosen = best.registration.worker_id
-        affinity.record(self.token_ids, chosen)
         self._prefill_work = len(self.token_ids) - overlap.get(chosen, 0)  # tokens it should compute
         return chosen
 
