@@ -49,6 +49,8 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                    help="prefill: threads copying one KV WRITE in parallel (default 0: the NIXL thread alone)")
     g.add_argument("--prefix-cache", type=int,
                    help="prefill: ends of computed prompts kept for prompts that extend them (default 64; 0: off)")
+    g.add_argument("--turn-cache", type=int,
+                   help="decode: finished prompts whose full-attention KV the next turn reuses (default 64; 0: off)")
     g.add_argument("--device", help="cpu, cuda or cuda:N: where each worker's model and KV store live (default cpu)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), help="model weights and KV cache (default float32)")
 
@@ -68,6 +70,7 @@ def worker_argv(args) -> list[str]:
             "--num-slots", str(args.num_slots), "--max-batch", str(args.max_batch),
             "--threads", str(args.threads or shared_host_threads(args.prefill + args.decode)),
             "--transfer-threads", str(args.transfer_threads), "--prefix-cache", str(args.prefix_cache),
+            "--turn-cache", str(args.turn_cache),
             "--device", args.device, "--dtype", args.dtype]
 
 

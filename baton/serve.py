@@ -66,7 +66,8 @@ def worker_config(role: str, cfg: Config):
     return WorkerConfig(role=role, model=Path(cfg.model.path), worker_id=w.id, mode=w.kv_mode,
                         num_pages=w.num_pages, page_size=w.page_size, num_slots=w.num_slots,
                         spec=w.spec == "mtp", draft_tokens=w.draft_tokens, draft_state=w.draft_state,
-                        prefill_chunk=w.prefill_chunk, prefix_cache=w.prefix_cache, max_batch=w.max_batch,
+                        prefill_chunk=w.prefill_chunk, prefix_cache=w.prefix_cache, turn_cache=w.turn_cache,
+                        max_batch=w.max_batch,
                         transfer_deadline_s=w.transfer_deadline_s, transfer_threads=w.transfer_threads,
                         threads=w.threads, device=w.device, dtype=w.dtype)
 

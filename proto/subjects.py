@@ -54,6 +54,11 @@ def decode_release(worker_id: str) -> str:
     return f"{INTERNAL}.decode.{_checked(worker_id)}.release"
 
 
+def decode_prefixes(worker_id: str) -> str:
+    """PrefixQuery -> PrefixEvents (snapshot): the prompts the worker's turn cache holds."""
+    return f"{INTERNAL}.decode.{_checked(worker_id)}.prefixes"
+
+
 def prefill_dispatch(worker_id: str) -> str:
     return f"{INTERNAL}.prefill.{_checked(worker_id)}.dispatch"
 

@@ -1,5 +1,7 @@
 """What prefill and decode workers share: the model settings, registry membership under a lease,
-NIXL peers from validated manifests, and the single engine thread that owns model and KV store."""
+NIXL peers from validated manifests, the single engine thread that owns model and KV store, and
+the messages that tell routers what a worker's cache holds (prefill's prefix cache, decode's turn
+cache: proto `PrefixEvents`)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,12 +15,14 @@ from typing import Any, Callable
 from baton.proto import subjects
 from baton.proto.codec import decode
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.internal import (Ack, Capacity, Deregistration, Heartbeat, HeartbeatReply, LookupReply,
-                                  LookupRequest, RegisterReply, WorkerEvent, WorkerLoad, WorkerRegistration)
+from baton.proto.internal import (Ack, CachedPrefix, Capacity, Deregistration, Heartbeat, HeartbeatReply,
+                                  LookupReply, LookupRequest, PrefixEvents, RegisterReply, WorkerEvent, WorkerLoad,
+                                  WorkerRegistration)
 from baton.shared.bus import Bus
 from baton.shared.config import WorkerSection
 from baton.shared.kv.codec import from_plain, to_plain
 from baton.shared.kv.manifest import Manifest
+from baton.shared.kv.prefix_cache import Cached
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.transfer.agent import PeerInfo
 from baton.shared.transfer.regions import regions_of
@@ -41,6 +45,7 @@ class WorkerConfig:
     draft_state: str = "transfer"  # transfer | rebuild | cold
     prefill_chunk: int = 256
     prefix_cache: int = 64  # prefill: prompt ends kept for prompts that extend them (0: off)
+    turn_cache: int = WorkerSection.turn_cache  # decode: finished prompts' full-attention pages kept (0: off)
     max_batch: int = 64  # prompts per prefill batch / sequences per decode step
     transfer_deadline_s: float = 30.0
     transfer_threads: int = 0  # prefill: TransferAgent(copy_threads=), parallel chunks of one WRITE
@@ -177,3 +182,21 @@ def peer_lookup(bus: Bus) -> Callable[[str], Any]:
         reg = reply.workers[0].registration
         return PeerInfo(reg.worker_id, reg.nixl_metadata, regions_of(from_plain(Manifest, reg.manifest)))
     return lookup
+
+
+def changes_message(worker_id: str, instance_id: str, block: int,
+                    changes: tuple[int, list[Cached], list[Cached]]) -> PrefixEvents:
+    """A cache's numbered changes (`take_changes`) as the message routers read."""
+    seq, added, evicted = changes
+    return PrefixEvents(worker_id=worker_id, instance_id=instance_id, seq=seq, block=block,
+                        added=_plain(added), evicted=_plain(evicted))
+
+
+def snapshot_message(worker_id: str, instance_id: str, block: int, seq: int, held: list[Cached]) -> PrefixEvents:
+    """Everything a cache holds (`snapshot`), current at `seq`."""
+    return PrefixEvents(worker_id=worker_id, instance_id=instance_id, seq=seq, block=block,
+                        added=_plain(held), snapshot=True)
+
+
+def _plain(entries: list[Cached]) -> list[CachedPrefix]:
+    return [CachedPrefix(blocks=e.blocks, digest=e.digest, tokens=e.tokens) for e in entries]

@@ -134,6 +134,9 @@ class WorkerSection:
     prefill_chunk: int = key(256, "prompt tokens per prefill forward", between(1))
     prefix_cache: int = key(64, "prefill: ends of computed prompts kept, so a prompt that extends one (the next "
                                "turn) computes only its new tokens; 0: off", between(0), flag="--prefix-cache")
+    turn_cache: int = key(64, "decode: finished requests' prompts whose full-attention KV is kept, so the next "
+                             "turn of a conversation gets it from decode's memory and prefill sends only the "
+                             "rest; 0: off", between(0), flag="--turn-cache")
     transfer_deadline_s: float = key(30.0, "a KV transfer not complete by then is aborted", positive)
     transfer_threads: int = key(0, "prefill: threads copying one KV WRITE in parallel chunks (NIXL's UCX thread "
                                    "pool); 0: the agent's own thread copies. Pays off only with spare cores",

@@ -65,6 +65,10 @@ class ServiceMetrics:
             self.accepted = Counter("baton_spec_accepted", "Draft tokens accepted", registry=r)
             self.acceptance_length = Histogram("baton_spec_acceptance_length", "Tokens per verify step, per request",
                                                buckets=(1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6), registry=r)
+            self.turn_reused = Counter("baton_turn_cache_reused_tokens", "Prompt positions a reservation took from "
+                                       "the turn cache (their full-attention KV was not sent)", registry=r)
+            self.turn_entries = Gauge("baton_turn_cache_entries", "Finished prompts held by the turn cache",
+                                      registry=r)
         if role == "registry":
             self.workers = Gauge("baton_workers", "Registered workers", ["role"], registry=r)
             self.expired = Counter("baton_worker_leases_expired", "Workers dropped on lease expiry", registry=r)

@@ -65,6 +65,13 @@ def check_conversation(history, k: int | None) -> None:
         assert reply.usage.cached_tokens == len(before), (reply.usage, len(before))
 
 
+def reused_by_decodes(cluster) -> float:
+    """Prompt positions the decodes' turn caches gave reservations, over every decode worker."""
+    from test_e2e_generate import scrape
+    return sum(scrape(m["port"]).get("baton_turn_cache_reused_tokens_total", 0.0)
+               for m in cluster.metrics if m["role"] == "decode")
+
+
 def check_exact(batch, replies, k: int | None) -> None:
     for p, reply in zip(batch, replies):
         want = expected(tuple(p))
@@ -98,7 +105,14 @@ def test_several_prefill_and_decode_workers_share_requests_exactly():
         batch = prompts(8) * 2
         K = WorkerSection().draft_tokens  # the deployment default these workers run with
         check_exact(batch, asyncio.run(generate_all(cluster.nats_url, batch)), K)
-        check_conversation(asyncio.run(converse(cluster.nats_url)), K)  # each turn finds the prefill holding the last
+        before = reused_by_decodes(cluster)
+        history = asyncio.run(converse(cluster.nats_url))
+        check_conversation(history, K)  # each turn finds the prefill holding the last
+        span = W + K  # sliding positions decode keeps: the pages below a prompt's window may be shared
+        # each turn repeats the last (the first repeats a prompt of the batch): its pages below its window
+        repeated = [history[0][0]] + [p for p, _ in history[:-1]]
+        want = sum(min(len(prev) // 16, max(0, len(p) - span) // 16) * 16 for prev, (p, _) in zip(repeated, history))
+        assert reused_by_decodes(cluster) - before == want > 0  # each turn went to the decode holding the last
         loads = asyncio.run(wait_all_free(cluster.nats_url, min_requests=len(batch) + 1))  # + the warm-up
         served = {role: [v[6] for v in loads.values() if v[0] == role] for role in ("prefill", "decode")}
         assert len(served["decode"]) == 2 and all(n > 0 for n in served["decode"]), served

@@ -18,7 +18,7 @@ README = (Path(subjects.__file__).parent / "README.md").read_text()
 
 def test_every_subject_is_documented():
     names = [value for name, value in vars(subjects).items() if name.isupper() and isinstance(value, str)]
-    per_worker = (subjects.decode_reserve, subjects.decode_release, subjects.prefill_dispatch,
+    per_worker = (subjects.decode_reserve, subjects.decode_release, subjects.decode_prefixes, subjects.prefill_dispatch,
                   subjects.prefill_target, subjects.prefill_release, subjects.prefill_prefixes)
     names += [subject("WID").replace("WID", "<worker_id>") for subject in per_worker]
     missing = [name for name in names if f"`{name}" not in README]

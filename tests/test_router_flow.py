@@ -256,6 +256,7 @@ class OneDecode:
 
     def __init__(self) -> None:
         self.held: dict[str, int] = {}
+        self.turns = PrefixAffinity()
 
     async def known(self, role: str) -> list:
         return [SimpleNamespace(registration=SimpleNamespace(worker_id="d"), load=SimpleNamespace(free_slots=4,

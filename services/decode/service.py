@@ -19,7 +19,8 @@ from nats.aio.msg import Msg
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.internal import Ack, ReleaseRequest, ReserveReply, ReserveRequest, TokenChunk, WorkerLoad
+from baton.proto.internal import (Ack, PrefixEvents, PrefixQuery, ReleaseRequest, ReserveReply, ReserveRequest,
+                                  TokenChunk, WorkerLoad)
 from baton.proto.public import SpecStats, Timing
 from baton.shared.bus import Bus
 from baton.shared.engine.runner import ModelRunner, SpecConfig
@@ -29,6 +30,7 @@ from baton.shared.kv.allocator import KVError, OutOfCapacity
 from baton.shared.kv.aux import first_token_at, unpack_aux
 from baton.shared.kv.codec import to_plain
 from baton.shared.kv.store import KVStore
+from baton.shared.kv.turn_cache import TurnCache
 from baton.shared.model.checkpoint import fingerprint, load_model
 from baton.shared.transfer.agent import TransferAgent
 from baton.shared.transfer.arrivals import EventKind
@@ -37,7 +39,8 @@ from baton.shared.metrics import ServiceMetrics, Stamps, log_request
 
 from baton.shared.transfer.notices import request_tag
 from baton.shared.transfer.regions import regions_of
-from ..worker import EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration
+from ..worker import (EngineThread, Membership, WorkerConfig, changes_message, on_worker_left, peer_lookup,
+                      registration, snapshot_message)
 
 log = logging.getLogger("baton.decode")
 
@@ -69,6 +72,7 @@ class DecodeWorker:
                              max_draft_tokens=config.draft_tokens, draft_enabled=config.spec,
                              dtype=self.model.dtype, device=self.model.device)
         self.runner = ModelRunner(self.model, self.store, self.spec, config.prefill_chunk)
+        self.turns = TurnCache(self.store, config.turn_cache) if config.turn_cache else None
         self.manifest = self.store.manifest(config.worker_id, fingerprint(config.model), role="decode")
         self.lookup = peer_lookup(bus)
         self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=self.lookup)
@@ -102,6 +106,7 @@ class DecodeWorker:
             await self.bus.subscribe(f"{self.probe_prefix}.*", self._on_probe)
             await self.bus.serve(subjects.decode_reserve(self.config.worker_id), ReserveRequest, self.reserve)
             await self.bus.serve(subjects.decode_release(self.config.worker_id), ReleaseRequest, self.release)
+            await self.bus.serve(subjects.decode_prefixes(self.config.worker_id), PrefixQuery, self.prefixes)
             await on_worker_left(self.bus, self._peer_left)
             await stop.wait()
             log.info("stopping: no new reservations; %d requests in flight", len(self.requests))
@@ -144,7 +149,7 @@ class DecodeWorker:
         positions = len(seq.prompt) + seq.max_tokens + self.config.draft_tokens + 1
         await self._ensure_peer(msg.prefill_worker_id)
         try:  # bookkeeping, on the loop: it never waits behind a decode step on the engine thread
-            alloc = self._allocate(msg.request_id, positions, len(seq.prompt))
+            alloc = self._allocate(msg.request_id, positions, seq.prompt)
         except OutOfCapacity as exc:  # room may come back: the router's queue waits for it
             raise BatonError(ErrorCode.BUSY, f"decode {self.config.worker_id}: {exc}") from None
         except KVError as exc:  # more than this worker could ever hold: waiting would not help
@@ -159,13 +164,36 @@ class DecodeWorker:
         return ReserveReply(request_id=msg.request_id, decode_worker_id=self.config.worker_id,
                             allocation=to_plain(alloc))
 
-    def _allocate(self, request_id: str, positions: int, prompt_len: int):
-        """Reserve every position the request may write; the prompt's positions are the ones
-        prefill will fill, so they count as written (the plan checks this). Runs on the event loop
-        while the engine thread may be stepping other requests: see KVStore on the two owners."""
-        self.store.allocate(request_id, positions)
-        self.store.extend(request_id, prompt_len)
+    def _allocate(self, request_id: str, positions: int, prompt: list[int]):
+        """Reserve every position the request may write, its first pages from the turn cache when
+        the prompt repeats a finished one (`allocation.reused`: prefill sends FULL from there); the
+        prompt's positions are the ones prefill will fill, so they count as written (the plan
+        checks this). Runs on the event loop while the engine thread may be stepping other
+        requests: see KVStore on the two owners."""
+        if self.turns is None:
+            self.store.allocate(request_id, positions)
+        else:
+            self.metrics.turn_reused.inc(self.turns.allocate(request_id, prompt, positions))
+        self.store.extend(request_id, len(prompt))
         return self.store.allocation(request_id)
+
+    async def prefixes(self, _query: PrefixQuery) -> PrefixEvents:
+        """The prompts the turn cache holds, for a router that starts or missed a change."""
+        seq, held = self.turns.snapshot() if self.turns else (0, [])
+        return snapshot_message(self.config.worker_id, self.membership.registration.instance_id,
+                                self.store.page_size, seq, held)
+
+    async def _publish_turns(self) -> None:
+        """The turn cache's changes, if any, to every router (PrefixEvents, as prefill's cache)."""
+        changes = self.turns.take_changes() if self.turns else None
+        if changes is None:
+            return
+        self.metrics.turn_entries.set(len(self.turns))
+        try:
+            await self.bus.publish(subjects.PREFIX_EVENTS, changes_message(
+                self.config.worker_id, self.membership.registration.instance_id, self.store.page_size, changes))
+        except BatonError as exc:  # routers see the gap in seq and ask for a snapshot
+            log.warning("turn cache changes %d not published: %s", changes[0], exc)
 
     async def _ensure_peer(self, worker_id: str) -> None:
         """Load the prefill peer's validated registry entry, so aborts can reach it."""
@@ -306,6 +334,9 @@ class DecodeWorker:
             pass
 
     async def _finish(self, tag: int, req: Request, reason: str) -> None:
+        if self.turns is not None and req.started and reason in ("length", "stop"):
+            self.turns.keep(req.seq.request_id, req.seq.prompt)  # its prompt's pages, for the next turn
+            await self._publish_turns()  # routers know before the client has the reply (and sends the next turn)
         await self._publish(req, [], finish_reason=reason)
         stats = req.seq.stats
         self.metrics.requests.labels(reason).inc()

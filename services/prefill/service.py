@@ -43,8 +43,8 @@ from baton.shared.metrics import ServiceMetrics, log_request
 from baton.shared.transfer.notices import request_tag
 from baton.shared.transfer.regions import regions_of
 from .jobs import Job, Jobs, Target
-from .prefix_events import changes_message, snapshot_message
-from ..worker import EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, registration
+from ..worker import (EngineThread, Membership, WorkerConfig, changes_message, on_worker_left, peer_lookup,
+                      registration, snapshot_message)
 
 log = logging.getLogger("baton.prefill")
 PLAN_CACHE = 64  # decoded transfer plans kept (one per decode peer; decoding one costs ~0.4 ms)

@@ -10,9 +10,12 @@ view stale (`apply` says so) until a snapshot replaces it. A worker that leaves 
 The index only steers: a worker decides what it reuses token by token, so a stale view costs
 compute, never correctness.
 
-Cost of sending a prompt of L tokens to worker w (lowest wins; docs/kv_state.md):
+Cost of sending a prompt of L tokens to prefill worker w (lowest wins; docs/kv_state.md):
     load(w) + L - weight * overlap(w)
 load: prompt tokens queued at w and in flight to it from this router. weight 0 turns affinity off.
+Decode workers report their turn caches the same way (shared/kv/turn_cache.py); among those with
+free slots the router takes the one with the fewest requests in flight from it, less `bonus`
+for one that holds the conversation's last turn.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from dataclasses import dataclass, field
 
 from baton.proto.internal import PrefixEvents
 from baton.shared.kv.prefix_hash import digests
+
+TURN_BONUS = 2  # requests in flight a decode holding the last turn may have beyond the least busy
 
 
 @dataclass
@@ -95,6 +100,12 @@ class PrefixAffinity:
 
     def cost(self, load: int, prompt_tokens: int, overlap: int) -> float:
         return load + prompt_tokens - self.weight * overlap
+
+    def bonus(self, overlap: int) -> float:
+        """For decode workers (their turn caches): requests in flight a held conversation outweighs
+        (TURN_BONUS, scaled by the weight), so a follow-up turn stays with the decode that holds its
+        last turn unless that decode is this many requests busier than another."""
+        return self.weight * TURN_BONUS if overlap > 0 else 0.0
 
     def forget(self, worker_id: str) -> None:
         self._views.pop(worker_id, None)

@@ -28,6 +28,7 @@ class Directory:
     def __init__(self, bus: Bus, affinity: PrefixAffinity | None = None, refresh_s: float = 0.5) -> None:
         self.bus, self.refresh_s = bus, refresh_s
         self.affinity = affinity or PrefixAffinity()  # what each prefill worker's prefix cache holds
+        self.turns = PrefixAffinity(self.affinity.weight)  # what each decode worker's turn cache holds
         self._stale_prefixes: set[str] = set()  # prefill workers whose prefix events showed a gap
         self.workers: dict[str, WorkerInfo] = {}
         self._plans: dict[tuple[str, str], dict] = {}
@@ -72,22 +73,27 @@ class Directory:
             await self.refresh()
             await self.sync_prefixes()
 
+    def cached(self, role: str) -> PrefixAffinity:
+        """The index of what workers of `role` hold: prefill's prefix caches, decode's turn caches."""
+        return self.affinity if role == "prefill" else self.turns
+
     async def sync_prefixes(self) -> None:
-        """Ask each prefill worker whose prefix view is missing or stale for a snapshot."""
-        asked = [w.registration.worker_id for w in self.of_role("prefill")
-                 if w.registration.worker_id in self._stale_prefixes
-                 or not self.affinity.knows(w.registration.worker_id, w.registration.instance_id)]
-        for worker_id, reply in zip(asked, await asyncio.gather(*map(self._prefix_snapshot, asked))):
+        """Ask each worker whose cache view is missing or stale for a snapshot."""
+        asked = [w for w in self.workers.values() if w.registration.worker_id in self._stale_prefixes
+                 or not self.cached(w.registration.role).knows(w.registration.worker_id, w.registration.instance_id)]
+        for worker, reply in zip(asked, await asyncio.gather(*map(self._prefix_snapshot, asked))):
+            worker_id = worker.registration.worker_id
             if reply is not None and worker_id in self.workers:
                 self._stale_prefixes.discard(worker_id)
-                self.affinity.apply(reply)
+                self.cached(worker.registration.role).apply(reply)
 
-    async def _prefix_snapshot(self, worker_id: str) -> PrefixEvents | None:
+    async def _prefix_snapshot(self, worker: WorkerInfo) -> PrefixEvents | None:
+        worker_id = worker.registration.worker_id
+        subject = (subjects.prefill_prefixes if worker.registration.role == "prefill" else subjects.decode_prefixes)
         try:
-            return await self.bus.request(subjects.prefill_prefixes(worker_id), PrefixQuery(), PrefixEvents,
-                                          timeout=1.0)
+            return await self.bus.request(subject(worker_id), PrefixQuery(), PrefixEvents, timeout=1.0)
         except BatonError as exc:  # tried again at the next refresh
-            log.debug("prefix snapshot of %s failed: %s", worker_id, exc)
+            log.debug("cache snapshot of %s failed: %s", worker_id, exc)
             return None
 
     async def _on_prefix_events(self, msg) -> None:
@@ -96,7 +102,8 @@ class Directory:
         except BatonError as exc:
             log.warning("ignored malformed prefix events: %s", exc)
             return
-        if events.worker_id in self.workers and not self.affinity.apply(events):
+        worker = self.workers.get(events.worker_id)
+        if worker is not None and not self.cached(worker.registration.role).apply(events):
             self._stale_prefixes.add(events.worker_id)
 
     def of_role(self, role: str) -> list[WorkerInfo]:
@@ -133,6 +140,7 @@ class Directory:
         self.workers.pop(worker_id, None)
         self._seen_at.pop(worker_id, None)
         self.affinity.forget(worker_id)
+        self.turns.forget(worker_id)
         self._stale_prefixes.discard(worker_id)
         self._plans = {k: v for k, v in self._plans.items() if worker_id not in k}
 

@@ -273,9 +273,11 @@ class Flow:
         return chosen
 
     async def _reserve(self, prefill_id: str) -> tuple[ReserveReply, dict]:
+        turns = self.directory.turns.overlap(self.token_ids)  # decodes holding this conversation's last turn
         decodes = sorted(self._prefer_others(await self.directory.known("decode")),  # free slots first, then least loaded
-                         key=lambda w: (w.load.free_slots == 0,
-                                        self.directory.outstanding(w.registration.worker_id), -w.load.free_pages))
+                         key=lambda w: (w.load.free_slots == 0, self.directory.outstanding(w.registration.worker_id)
+                                        - self.directory.turns.bonus(turns.get(w.registration.worker_id, 0)),
+                                        -w.load.free_pages))
         if not decodes:  # one may register (a restart): wait in the queue, bounded by its timeout
             log.info("request %s waits: no decode worker is registered (or every one is gone)", self.request_id)
             raise NoCapacity()

@@ -86,3 +86,4 @@ class Allocation:
     slot: int  # ring slot (SWA_RING) and aux row
     page_ids: tuple[int, ...]  # page table: FULL page of page index i (positions i*ps ..)
     swa_page_ids: tuple[int, ...] = ()  # paged SWA: SWA page of page index i, -1 if released
+    reused: int = 0  # FULL positions below this are held already (shared pages): a plan writes FULL from here

@@ -18,7 +18,8 @@ memory on every device, do not count).
 
 `plan.descriptors(L, src_alloc, dst_alloc)` returns, for a request of L prompt tokens, the byte
 runs to copy, one per run of whole items adjacent on both sides (items hold every layer): the
-pages of all L positions of FULL components, the pages of the window (paged SWA) or the slot (ring)
+pages of FULL components from `dst_alloc.reused` (positions decode holds already, in pages shared
+from its turn cache, are not sent) to L, the pages of the window (paged SWA) or the slot (ring)
 of sliding components, and the aux header with the hidden rows decode needs (`aux_hidden_rows(L)`).
 The layout (`order`, `layers_per_item`, `item_bytes`) is checked like the rest of the geometry.
 """
@@ -70,6 +71,8 @@ class TransferPlan:
                                       dst_alloc.slot * g.item_bytes, nbytes))
                 continue
             positions = needed_positions(pair.src.ident.kind, g.window, length)
+            if pair.src.ident.kind == FULL:  # what decode holds already (its turn cache) stays
+                positions = positions[positions >= dst_alloc.reused]
             runs = merge_runs(alloc_items(pair.src, src_alloc, positions, "prefill"),
                               alloc_items(pair.dst, dst_alloc, positions, "decode"))
             out += [Descriptor(name, 0, s * g.item_bytes, d * g.item_bytes, n * g.item_bytes)

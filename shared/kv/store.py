@@ -72,6 +72,7 @@ class RequestKV:
     slot: int
     length: int = 0
     floor: int = 0  # first position whose sliding rows are intact
+    shared: int = 0  # its first pages are shared ones (held already, never written)
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ class KVStore:
         pages = shared + self.pages.take(n_pages - len(shared))
         self.page_refs[pages] += 1
         req = RequestKV(num_tokens=num_tokens, pages=pages, slot=self.slots.take(1)[0],
-                       page_table=torch.tensor(pages, dtype=torch.long, device=self.device))
+                       page_table=torch.tensor(pages, dtype=torch.long, device=self.device), shared=len(shared))
         self.block_table[req.slot, :n_pages] = pages
         if self.swa:
             self.swa.reserve(request_id, n_swa)
@@ -259,6 +260,7 @@ class KVStore:
         req = self._req(request_id)
         swa = self.swa.swa_page_ids(request_id, req.pages) if self.swa else ()
         return Allocation(request_id=request_id, num_tokens=req.num_tokens, length=req.length,
+                          reused=req.shared * self.page_size,
                           floor=req.floor, slot=req.slot, page_ids=tuple(req.pages),
                           swa_page_ids=swa)
 
