@@ -1,4 +1,5 @@
-"""Multi-turn conversations through the whole system, prefill's prefix cache on against off.
+"""Multi-turn conversations through the whole system, the caches on against off: prefill's prefix
+cache (what prefill computes) and decode's turn cache (what prefill sends: `bytes/turn`).
 
 N conversations of T turns run at once, each turn sent only after the previous reply: turn 1 is a
 held-out user text of 32-128 tokens; each later prompt is the previous prompt, its greedy answer
@@ -83,7 +84,8 @@ def run(config: str, prefill: int, cache: bool, conversations, threads: int, pag
         async with await Bus.connect(url, "bench") as bus:
             await converse(bus, f"warm-{config}", [([1, 2, 3, 4] * 4, 4)])  # shares no prefix with them
             return await asyncio.gather(*(converse(bus, f"{config}-c{i}", c) for i, c in enumerate(conversations)))
-    args = ["--prefix-cache", "64" if cache else "0", "--threads", str(threads), "--num-pages", str(pages)]
+    args = ["--prefix-cache", "64" if cache else "0", "--turn-cache", "64" if cache else "0",
+            "--threads", str(threads), "--num-pages", str(pages)]
     with running_cluster(prefill=prefill, worker_args=args) as cluster:
         results = asyncio.run(all_of(cluster.nats_url))
         log_dir = Path(cluster.log_dir)

@@ -88,8 +88,10 @@ class TurnCache:
         if n == 0:
             return
         tokens = tuple(prompt[:n * self.ps])
-        if any(t.tokens == tokens for t in self._index.get((n, digests(tokens, self.ps)[-1]), ())):
-            return  # the same prompt again
+        same = next((t for t in self._index.get((n, digests(tokens, self.ps)[-1]), ()) if t.tokens == tokens), None)
+        if same is not None:  # the same prompt again
+            self._lru.move_to_end(id(same))
+            return
         if self.slots.num_free == 0:
             self._evict_one()
         req = self.store.request(request_id)
