@@ -107,6 +107,23 @@ def _query_tile(Q, QPOS, b, kvh, q_block, Qlen, D, s_qb, s_qq, s_qh, s_pb, s_pq,
 
 
 @triton.jit
+def _program_start(Q, QPOS, Hkv, Qlen, D, s_qb, s_qq, s_qh, s_pb, s_pq, GROUP: tl.constexpr,
+                   GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr):
+    """What every attention program starts from: its sequence b and KV head (program axis 0), its
+    query tile (axis 1, `_query_tile`), an empty online-softmax state (m_i, l_i [BM], acc [BM, BD])."""
+    b = (tl.program_id(0) // Hkv).to(tl.int64)
+    kvh = (tl.program_id(0) % Hkv).to(tl.int64)
+    qi, h, in_out, row_ok, qpos, q, q_lo, q_hi = _query_tile(
+        Q, QPOS, b, kvh, tl.program_id(1), Qlen, D, s_qb, s_qq, s_qh, s_pb, s_pq,
+        GROUP, GROUP_P, BLOCK_Q, BLOCK_D, DOT_DTYPE)
+    m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
+    return b, kvh, qi, h, in_out, row_ok, qpos, q, q_lo, q_hi, m_i, l_i, acc
+
+
+@triton.jit
 def _attend_cached(q, qpos, row_ok, q_lo, q_hi, m_i, l_i, acc, KC, VC, OROWS, OPOS, b, kvh,
                    lo, hi, D, window, sm_scale_log2, s_kcr, s_kch, s_vcr, s_vch, s_rb, s_rm,
                    s_ob, s_om, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -165,14 +182,8 @@ def _chunk_attention_kernel(
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOWED: tl.constexpr,
         DOT_DTYPE: tl.constexpr):
-    b = (tl.program_id(0) // Hkv).to(tl.int64)
-    kvh = (tl.program_id(0) % Hkv).to(tl.int64)
-    qi, h, in_out, row_ok, qpos, q, q_lo, q_hi = _query_tile(
-        Q, QPOS, b, kvh, tl.program_id(1), Qlen, D, s_qb, s_qq, s_qh, s_pb, s_pq,
-        GROUP, GROUP_P, BLOCK_Q, BLOCK_D, DOT_DTYPE)
-    m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
+    b, kvh, qi, h, in_out, row_ok, qpos, q, q_lo, q_hi, m_i, l_i, acc = _program_start(
+        Q, QPOS, Hkv, Qlen, D, s_qb, s_qq, s_qh, s_pb, s_pq, GROUP, GROUP_P, BLOCK_Q, BLOCK_D, DOT_DTYPE)
     m_i, l_i, acc = _attend_cached(q, qpos, row_ok, q_lo, q_hi, m_i, l_i, acc, KC, VC, OROWS, OPOS,
                                    b, kvh, 0, M, D, window, sm_scale_log2, s_kcr, s_kch, s_vcr,
                                    s_vch, s_rb, s_rm, s_ob, s_om, BLOCK_N, BLOCK_D, WINDOWED,
@@ -200,15 +211,9 @@ def _chunk_attention_split_kernel(
     """Program (b * Hkv + kvh, query block, split): cached keys [split * keys_per_split, +
     keys_per_split) and, in the last split, the chunk's own keys -> unnormalised partials.
     PART_M, PART_L: [S, B, Q, H]; PART_ACC: [S, B, Q, H, D] (fp32, contiguous)."""
-    b = (tl.program_id(0) // Hkv).to(tl.int64)
-    kvh = (tl.program_id(0) % Hkv).to(tl.int64)
+    b, kvh, qi, h, in_out, row_ok, qpos, q, q_lo, q_hi, m_i, l_i, acc = _program_start(
+        Q, QPOS, Hkv, Qlen, D, s_qb, s_qq, s_qh, s_pb, s_pq, GROUP, GROUP_P, BLOCK_Q, BLOCK_D, DOT_DTYPE)
     split = tl.program_id(2).to(tl.int64)
-    qi, h, in_out, row_ok, qpos, q, q_lo, q_hi = _query_tile(
-        Q, QPOS, b, kvh, tl.program_id(1), Qlen, D, s_qb, s_qq, s_qh, s_pb, s_pq,
-        GROUP, GROUP_P, BLOCK_Q, BLOCK_D, DOT_DTYPE)
-    m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
     lo = split * keys_per_split
     m_i, l_i, acc = _attend_cached(q, qpos, row_ok, q_lo, q_hi, m_i, l_i, acc, KC, VC, OROWS, OPOS,
                                    b, kvh, lo, tl.minimum(lo + keys_per_split, M), D, window,

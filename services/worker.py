@@ -22,7 +22,7 @@ from baton.shared.bus import Bus
 from baton.shared.config import WorkerSection
 from baton.shared.kv.codec import from_plain, to_plain
 from baton.shared.kv.manifest import Manifest
-from baton.shared.kv.prefix_cache import Cached
+from baton.shared.kv.cache_changes import Cached
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.transfer.agent import PeerInfo
 from baton.shared.transfer.regions import regions_of

@@ -31,17 +31,18 @@ in flight reads from a request's own holding). Engine thread only.
 What it holds is told to routers (proto `PrefixEvents`, services/router/affinity.py): each entry is
 a `Cached(blocks, digest, tokens)`, its index key (the whole blocks below the lowest position it
 resumes from, and their chained digest, shared/kv/prefix_hash.py) and its end. Inserts and
-evictions accumulate until `take_changes` numbers them (seq 1, 2, ...); `snapshot` gives all the
-entries at a seq, so a router that missed a change can start over from it.
+evictions accumulate until `take_changes` numbers them (seq 1, 2, ...; cache_changes.py);
+`snapshot` gives all the entries at a seq, so a router that missed a change can start over from it.
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from baton.shared.kv.allocator import IdPool, require
+from baton.shared.kv.cache_changes import CacheChanges, Cached
 from baton.shared.kv.prefix_hash import digests
 from baton.shared.kv.routing import FULL
 from baton.shared.kv.store import KVStore
@@ -54,14 +55,6 @@ class Entry:
     slot: int  # snapshot slot: sliding K/V and hidden rows of positions lo .. P0-1
     lo: int  # max(0, P0 - span)
     extended: bool = False  # a later prompt continues it: the next turn, or (a chunk boundary) its own prompt
-
-
-@dataclass(frozen=True)
-class Cached:
-    """An entry as routers see it: `blocks` whole blocks with chained `digest`, ending at `tokens`."""
-    blocks: int
-    digest: int
-    tokens: int
 
 
 @dataclass(frozen=True)
@@ -93,9 +86,7 @@ class PrefixCache:
         self._lru: OrderedDict[int, Entry] = OrderedDict()  # by id(entry), least recent first
         self._index: dict[tuple[int, int], list[Entry]] = {}  # (blocks, chain hash) -> entries keyed there
         self.hits = self.misses = self.evictions = 0
-        self.seq = 0  # changes numbered so far (take_changes)
-        self._added: list[Cached] = []  # since the last take_changes
-        self._evicted: list[Cached] = []
+        self.changes = CacheChanges()  # what routers have not been told yet
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -194,7 +185,7 @@ class PrefixCache:
         self.hidden[entry.slot, :P0 - lo] = hidden[lo - hidden_start:P0 - hidden_start]
         self._lru[id(entry)] = entry
         self._index.setdefault(self._key(tokens), []).append(entry)
-        self._added.append(self._cached(entry))
+        self.changes.added(self._cached(entry))
 
     # --- eviction -------------------------------------------------------------------------------
     def reclaim(self) -> int:
@@ -219,26 +210,16 @@ class PrefixCache:
         self.store.unpin(entry.pages)
         self.slots.give([entry.slot])
         self.evictions += 1
-        self._evicted.append(self._cached(entry))
+        self.changes.evicted(self._cached(entry))
         return True
 
     # --- what routers are told ------------------------------------------------------------------
     def take_changes(self) -> tuple[int, list[Cached], list[Cached]] | None:
-        """(seq, added, evicted) since the last call, numbered; None when nothing changed. Net of
-        each other: an entry inserted and evicted since the last call is in neither list."""
-        added, evicted = Counter(self._added), Counter(self._evicted)
-        self._added, self._evicted = [], []
-        added, evicted = added - evicted, evicted - added
-        if not added and not evicted:
-            return None
-        self.seq += 1
-        return self.seq, list(added.elements()), list(evicted.elements())
+        return self.changes.take()
 
     def snapshot(self) -> tuple[int, list[Cached]]:
-        """(seq, every entry). Changes not yet taken are in it, so they are dropped and their seq
-        skipped: a router applying events sees the gap and asks for a snapshot itself."""
-        self.take_changes()  # numbered and dropped: the snapshot holds them
-        return self.seq, [self._cached(e) for e in self._lru.values()]
+        """(seq, every entry), changes not taken yet included (cache_changes.py)."""
+        return self.changes.skip(), [self._cached(e) for e in self._lru.values()]
 
     def _cached(self, entry: Entry) -> Cached:
         blocks, digest = self._key(entry.tokens)

@@ -27,7 +27,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from baton.shared.kv.allocator import IdPool, KVError, require
-from baton.shared.kv.prefix_cache import Cached
+from baton.shared.kv.cache_changes import CacheChanges, Cached
 from baton.shared.kv.prefix_hash import digests
 from baton.shared.kv.store import KVStore
 
@@ -48,9 +48,7 @@ class TurnCache:
         self._index: dict[tuple[int, int], list[Turn]] = {}  # (pages, digest of their tokens) -> turns
         self._slot_of: dict[int, int] = {}  # id(turn) -> its entry slot
         self.reused_tokens = self.evictions = 0
-        self.seq = 0
-        self._added: list[Cached] = []
-        self._evicted: list[Cached] = []
+        self.changes = CacheChanges()  # what routers have not been told yet
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -104,7 +102,7 @@ class TurnCache:
         chain = digests(tokens, self.ps)
         for pages in range(1, n + 1):  # a prompt that repeats only its first pages shares those
             self._index.setdefault((pages, chain[pages]), []).append(turn)
-        self._added.append(Cached(n, chain[n], n * self.ps))
+        self.changes.added(Cached(n, chain[n], n * self.ps))
 
     # --- eviction ----------------------------------------------------------------------------------
     def _evict_one(self, keep: Turn | None = None) -> bool:
@@ -121,7 +119,7 @@ class TurnCache:
         self.store.unpin(turn.pages)
         self.slots.give([self._slot_of.pop(key)])
         self.evictions += 1
-        self._evicted.append(Cached(len(turn.pages), chain[-1], len(turn.tokens)))
+        self.changes.evicted(Cached(len(turn.pages), chain[-1], len(turn.tokens)))
         return True
 
     def reclaim(self) -> int:
@@ -133,18 +131,11 @@ class TurnCache:
 
     # --- what routers are told (as prefix_cache.PrefixCache) --------------------------------------
     def take_changes(self) -> tuple[int, list[Cached], list[Cached]] | None:
-        added, evicted = Counter(self._added), Counter(self._evicted)
-        self._added, self._evicted = [], []
-        added, evicted = added - evicted, evicted - added
-        if not added and not evicted:
-            return None
-        self.seq += 1
-        return self.seq, list(added.elements()), list(evicted.elements())
+        return self.changes.take()
 
     def snapshot(self) -> tuple[int, list[Cached]]:
-        self.take_changes()  # numbered and dropped: the snapshot holds them
-        return self.seq, [Cached(len(t.pages), digests(t.tokens, self.ps)[-1], len(t.tokens))
-                          for t in self._lru.values()]
+        return self.changes.skip(), [Cached(len(t.pages), digests(t.tokens, self.ps)[-1], len(t.tokens))
+                                     for t in self._lru.values()]
 
     # --- integrity ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:
