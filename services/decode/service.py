@@ -335,7 +335,10 @@ class DecodeWorker:
 
     async def _finish(self, tag: int, req: Request, reason: str) -> None:
         if self.turns is not None and req.started and reason in ("length", "stop"):
-            self.turns.keep(req.seq.request_id, req.seq.prompt)  # its prompt's pages, for the next turn
+            try:
+                self.turns.keep(req.seq.request_id, req.seq.prompt)  # its prompt's pages, for the next turn
+            except KVError as exc:  # a reply never fails for the cache's sake
+                log.error("request %s: its prompt was not kept in the turn cache: %s", req.seq.request_id, exc)
             await self._publish_turns()  # routers know before the client has the reply (and sends the next turn)
         await self._publish(req, [], finish_reason=reason)
         stats = req.seq.stats
