@@ -161,6 +161,7 @@ class DecodeWorker:
         at.mark("reserved")
         self.agent.arrivals.expect(tag, msg.prefill_worker_id, [c for c in msg.components if c != "aux/AUX"],
                                    alloc.slot * self.store.aux_layout.item_bytes, self.config.transfer_deadline_s)
+        await self._publish_turns()  # turns evicted for its room
         return ReserveReply(request_id=msg.request_id, decode_worker_id=self.config.worker_id,
                             allocation=to_plain(alloc))
 
