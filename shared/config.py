@@ -35,7 +35,7 @@ else:  # pragma: no cover - Python 3.10
 ENV_PREFIX = "BATON_"
 CONFIG_ENV = "BATON_CONFIG"
 Check = Callable[[Any], "str | None"]
-# the shipped checkpoint (same as baton.shared.model.checkpoint.DEFAULT_MODEL_DIR, without importing torch)
+# the shipped checkpoint (baton.shared.model.checkpoint re-exports it; here it needs no torch)
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "baton-tiny"
 
 

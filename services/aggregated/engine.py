@@ -32,6 +32,7 @@ from baton.shared.engine.runner import ModelRunner, SpecConfig
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
 from baton.shared.kv.allocator import KVError, OutOfCapacity
+from baton.shared.kv.budget import reservation
 from baton.shared.kv.store import KVStore
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.model.model import BatonLM
@@ -225,7 +226,7 @@ class AggregatedEngine:
         if not params.greedy:
             decode_gen = seq.gen if params.seed is None else \
                 torch.Generator(device=self.store.device).manual_seed((params.seed ^ DECODE_SEED_SALT) % 2**64)
-        positions = len(seq.prompt) + max_tokens + self.spec.draft_tokens + 1  # + one verify block
+        positions = reservation(len(seq.prompt), max_tokens, self.spec.draft_tokens)
         try:
             await self.thread.call(self.store.allocate, request_id, positions)
         except OutOfCapacity as exc:

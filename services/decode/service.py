@@ -28,6 +28,7 @@ from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
 from baton.shared.kv.allocator import KVError, OutOfCapacity
 from baton.shared.kv.aux import first_token_at, unpack_aux
+from baton.shared.kv.budget import reservation
 from baton.shared.kv.codec import to_plain
 from baton.shared.kv.store import KVStore
 from baton.shared.kv.turn_cache import TurnCache
@@ -146,7 +147,7 @@ class DecodeWorker:
         tag = request_tag(msg.request_id)
         if tag in self.requests:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {msg.request_id} is already reserved here")
-        positions = len(seq.prompt) + seq.max_tokens + self.config.draft_tokens + 1
+        positions = reservation(len(seq.prompt), seq.max_tokens, self.config.draft_tokens)
         await self._ensure_peer(msg.prefill_worker_id)
         try:  # bookkeeping, on the loop: it never waits behind a decode step on the engine thread
             alloc = self._allocate(msg.request_id, positions, seq.prompt)

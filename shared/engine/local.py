@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.shared.kv.budget import reservation
 from baton.shared.kv.store import KVStore
 from baton.shared.model.model import BatonLM
 
@@ -38,7 +39,7 @@ class LocalEngine:
 
     def reservation(self, seq: Sequence) -> int:
         """Positions a request may ever write: prompt, outputs, and one verify block beyond."""
-        return len(seq.prompt) + seq.max_tokens + self.spec.draft_tokens + 1
+        return reservation(len(seq.prompt), seq.max_tokens, self.spec.draft_tokens)
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Allocate, prefill and hand each sequence to decode as the services would."""

@@ -48,6 +48,12 @@ def kv_row_bytes(cfg: ModelConfig, dtype: Dtype) -> int:
     return 2 * cfg.num_key_value_heads * cfg.head_dim * element_size(dtype)
 
 
+def reservation(prompt_tokens: int, max_tokens: int, draft_tokens: int) -> int:
+    """Positions a request may ever write: its prompt, its outputs, and one verify block beyond
+    (the last step may verify `draft_tokens` drafts past the final output)."""
+    return prompt_tokens + max_tokens + draft_tokens + 1
+
+
 def sliding_span(cfg: ModelConfig, max_draft_tokens: int) -> int:
     """Positions a sliding layer keeps per request: the window plus one verify step's lookahead.
 

@@ -9,13 +9,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from baton.shared import config
 from baton.shared.kv.manifest import fingerprint as manifest_fingerprint
 
 from .config import ConfigError, ModelConfig
 from .model import BatonLM
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "baton-tiny"
+DEFAULT_MODEL_DIR = config.DEFAULT_MODEL_DIR  # the shipped checkpoint: one definition, in the torch-free config
 
 
 class CheckpointError(ValueError):
