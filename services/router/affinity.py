@@ -81,10 +81,12 @@ class PrefixAffinity:
         view = self._views.get(worker_id)
         return view is not None and view.instance_id == instance_id
 
-    def overlap(self, token_ids: list[int]) -> dict[str, int]:
-        """worker id -> leading tokens of `token_ids` its cache would not compute (0s left out)."""
+    def overlap(self, token_ids: list[int], chains: dict[int, list[int]] | None = None) -> dict[str, int]:
+        """worker id -> leading tokens of `token_ids` its cache would not compute (0s left out).
+        `chains`: block size -> the prompt's digests, filled here and shared between calls for one
+        prompt (a 4k-token prompt's digests take ~0.3 ms)."""
         found: dict[str, int] = {}
-        chains: dict[int, list[int]] = {}  # block size -> the prompt's digests
+        chains = {} if chains is None else chains
         for worker_id, view in self._views.items():
             if not view.ends:
                 continue

@@ -117,6 +117,7 @@ class Flow:
         self._gone: set[str] = set()  # workers found not listening: never picked again, until they leave
         self._held: dict[str, int] = {}  # load this flow counts against workers in the directory
         self._prefill_work = len(token_ids)  # prompt tokens the picked prefill should compute (its cache has the rest)
+        self._chains: tuple[list[int], dict] = (token_ids, {})  # the prompt's block digests, by block size
         self._first_token_by: float | None = None  # time.monotonic() by which the attempt's first token is due
         self._attempts = 0  # attempts after the first (a retry, or a wait after decode had no room)
         self.workers: dict[str, str] = {}  # id -> role of every worker asked, hidden from the client
@@ -264,7 +265,7 @@ class Flow:
                      else f"all {len(registered)} prefill workers are stopping or gone")
             raise NoCapacity()
         affinity = self.directory.affinity
-        overlap = affinity.overlap(self.token_ids)
+        overlap = affinity.overlap(self.token_ids, self._digests())
         best = min(workers, key=lambda w: affinity.cost(
             w.load.queued_prompt_tokens + self.directory.outstanding(w.registration.worker_id), len(self.token_ids),
             overlap.get(w.registration.worker_id, 0)))
@@ -272,8 +273,15 @@ class Flow:
         self._prefill_work = len(self.token_ids) - overlap.get(chosen, 0)  # tokens it should compute
         return chosen
 
+    def _digests(self) -> dict[int, list[int]]:
+        """The prompt's block digests by block size, for both caches' indexes (a continuation's
+        prompt is a new list: its digests are computed anew)."""
+        if self._chains[0] is not self.token_ids:
+            self._chains = (self.token_ids, {})
+        return self._chains[1]
+
     async def _reserve(self, prefill_id: str) -> tuple[ReserveReply, dict]:
-        turns = self.directory.turns.overlap(self.token_ids)  # decodes holding this conversation's last turn
+        turns = self.directory.turns.overlap(self.token_ids, self._digests())  # decodes holding its last turn
         decodes = sorted(self._prefer_others(await self.directory.known("decode")),  # free slots first, then least loaded
                          key=lambda w: (w.load.free_slots == 0, self.directory.outstanding(w.registration.worker_id)
                                         - self.directory.turns.bonus(turns.get(w.registration.worker_id, 0)),
