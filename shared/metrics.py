@@ -69,6 +69,7 @@ class ServiceMetrics:
                                        "the turn cache (their full-attention KV was not sent)", registry=r)
             self.turn_entries = Gauge("baton_turn_cache_entries", "Finished prompts held by the turn cache",
                                       registry=r)
+            self.turn_evictions = Counter("baton_turn_cache_evictions", "Turn cache entries evicted", registry=r)
         if role == "registry":
             self.workers = Gauge("baton_workers", "Registered workers", ["role"], registry=r)
             self.expired = Counter("baton_worker_leases_expired", "Workers dropped on lease expiry", registry=r)

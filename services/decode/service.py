@@ -74,6 +74,7 @@ class DecodeWorker:
                              dtype=self.model.dtype, device=self.model.device)
         self.runner = ModelRunner(self.model, self.store, self.spec, config.prefill_chunk)
         self.turns = TurnCache(self.store, config.turn_cache) if config.turn_cache else None
+        self._evictions_counted = 0  # of turns.evictions, those in the metrics already
         self.manifest = self.store.manifest(config.worker_id, fingerprint(config.model), role="decode")
         self.lookup = peer_lookup(bus)
         self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=self.lookup)
@@ -191,6 +192,8 @@ class DecodeWorker:
         if changes is None:
             return
         self.metrics.turn_entries.set(len(self.turns))
+        self.metrics.turn_evictions.inc(self.turns.evictions - self._evictions_counted)
+        self._evictions_counted = self.turns.evictions
         try:
             await self.bus.publish(subjects.PREFIX_EVENTS, changes_message(
                 self.config.worker_id, self.membership.registration.instance_id, self.store.page_size, changes))
