@@ -20,9 +20,9 @@ from baton.proto.internal import (Ack, CachedPrefix, Capacity, Deregistration, H
                                   WorkerRegistration)
 from baton.shared.bus import Bus
 from baton.shared.config import WorkerSection
+from baton.shared.kv.cache_changes import Cached
 from baton.shared.kv.codec import from_plain, to_plain
 from baton.shared.kv.manifest import Manifest
-from baton.shared.kv.cache_changes import Cached
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.transfer.agent import PeerInfo
 from baton.shared.transfer.regions import regions_of
@@ -184,17 +184,24 @@ def peer_lookup(bus: Bus) -> Callable[[str], Any]:
     return lookup
 
 
-def changes_message(worker_id: str, instance_id: str, block: int,
-                    changes: tuple[int, list[Cached], list[Cached]]) -> PrefixEvents:
-    """A cache's numbered changes (`take_changes`) as the message routers read."""
+async def publish_changes(bus: Bus, reg: WorkerRegistration, block: int,
+                          changes: tuple[int, list[Cached], list[Cached]] | None) -> None:
+    """A cache's numbered changes (`take_changes`), if any, to every router. One that cannot go out
+    is logged: routers see the gap in seq and ask for a snapshot."""
+    if changes is None:
+        return
     seq, added, evicted = changes
-    return PrefixEvents(worker_id=worker_id, instance_id=instance_id, seq=seq, block=block,
-                        added=_plain(added), evicted=_plain(evicted))
+    try:
+        await bus.publish(subjects.PREFIX_EVENTS, PrefixEvents(
+            worker_id=reg.worker_id, instance_id=reg.instance_id, seq=seq, block=block, added=_plain(added),
+            evicted=_plain(evicted)))
+    except BatonError as exc:
+        log.warning("cache changes %d not published: %s", seq, exc)
 
 
-def snapshot_message(worker_id: str, instance_id: str, block: int, seq: int, held: list[Cached]) -> PrefixEvents:
+def snapshot_message(reg: WorkerRegistration, block: int, seq: int, held: list[Cached]) -> PrefixEvents:
     """Everything a cache holds (`snapshot`), current at `seq`."""
-    return PrefixEvents(worker_id=worker_id, instance_id=instance_id, seq=seq, block=block,
+    return PrefixEvents(worker_id=reg.worker_id, instance_id=reg.instance_id, seq=seq, block=block,
                         added=_plain(held), snapshot=True)
 
 

@@ -40,7 +40,7 @@ from baton.shared.metrics import ServiceMetrics, Stamps, log_request
 
 from baton.shared.transfer.notices import request_tag
 from baton.shared.transfer.regions import regions_of
-from ..worker import (EngineThread, Membership, WorkerConfig, changes_message, on_worker_left, peer_lookup,
+from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, publish_changes,
                       registration, snapshot_message)
 
 log = logging.getLogger("baton.decode")
@@ -183,22 +183,16 @@ class DecodeWorker:
     async def prefixes(self, _query: PrefixQuery) -> PrefixEvents:
         """The prompts the turn cache holds, for a router that starts or missed a change."""
         seq, held = self.turns.snapshot() if self.turns else (0, [])
-        return snapshot_message(self.config.worker_id, self.membership.registration.instance_id,
-                                self.store.page_size, seq, held)
+        return snapshot_message(self.membership.registration, self.store.page_size, seq, held)
 
     async def _publish_turns(self) -> None:
         """The turn cache's changes, if any, to every router (PrefixEvents, as prefill's cache)."""
-        changes = self.turns.take_changes() if self.turns else None
-        if changes is None:
+        if self.turns is None:
             return
         self.metrics.turn_entries.set(len(self.turns))
         self.metrics.turn_evictions.inc(self.turns.evictions - self._evictions_counted)
         self._evictions_counted = self.turns.evictions
-        try:
-            await self.bus.publish(subjects.PREFIX_EVENTS, changes_message(
-                self.config.worker_id, self.membership.registration.instance_id, self.store.page_size, changes))
-        except BatonError as exc:  # routers see the gap in seq and ask for a snapshot
-            log.warning("turn cache changes %d not published: %s", changes[0], exc)
+        await publish_changes(self.bus, self.membership.registration, self.store.page_size, self.turns.take_changes())
 
     async def _ensure_peer(self, worker_id: str) -> None:
         """Load the prefill peer's validated registry entry, so aborts can reach it."""

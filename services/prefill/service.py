@@ -43,7 +43,7 @@ from baton.shared.metrics import ServiceMetrics, log_request
 from baton.shared.transfer.notices import request_tag
 from baton.shared.transfer.regions import regions_of
 from .jobs import Job, Jobs, Target
-from ..worker import (EngineThread, Membership, WorkerConfig, changes_message, on_worker_left, peer_lookup,
+from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, publish_changes,
                       registration, snapshot_message)
 
 log = logging.getLogger("baton.prefill")
@@ -186,20 +186,14 @@ class PrefillWorker:
     async def prefixes(self, _query: PrefixQuery) -> PrefixEvents:
         """Everything the prefix cache holds, for a router that starts or missed a change."""
         seq, held = await self.engine.call(self.cache.snapshot) if self.cache else (0, [])
-        return snapshot_message(self.config.worker_id, self.membership.registration.instance_id,
-                                self.store.page_size, seq, held)
+        return snapshot_message(self.membership.registration, self.store.page_size, seq, held)
 
     async def _publish_prefixes(self) -> None:
         """The cache's changes since the last batch, if any, to every router (in seq order: the
         batcher alone publishes, one batch at a time)."""
-        changes = await self.engine.call(self.cache.take_changes) if self.cache else None
-        if changes is None:
-            return
-        try:
-            await self.bus.publish(subjects.PREFIX_EVENTS, changes_message(
-                self.config.worker_id, self.membership.registration.instance_id, self.store.page_size, changes))
-        except BatonError as exc:  # routers see the gap in seq and ask for a snapshot
-            log.warning("prefix cache changes %d not published: %s", changes[0], exc)
+        if self.cache is not None:
+            await publish_changes(self.bus, self.membership.registration, self.store.page_size,
+                                  await self.engine.call(self.cache.take_changes))
 
     def _plan(self, plain: dict) -> TransferPlan:
         """The router sends the same plan with every request to one decode peer: decode and check

@@ -1,9 +1,10 @@
 """The router's view of the cluster: live workers and transfer plans, cached from the registry,
-and what each prefill worker's prefix cache holds, from the workers' events (affinity.py).
+and what each worker's cache holds (prefill's prefix caches, decode's turn caches), from the
+workers' events (affinity.py).
 
 Refreshed in the background and on worker events; when the registry is briefly down the last
-view keeps serving (requests keep flowing through a registry restart). A prefill worker whose
-prefix view is missing or stale is asked for a snapshot at the next background refresh.
+view keeps serving (requests keep flowing through a registry restart). A worker whose cache
+view is missing or stale is asked for a snapshot at the next background refresh.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class Directory:
         self.bus, self.refresh_s = bus, refresh_s
         self.affinity = affinity or PrefixAffinity()  # what each prefill worker's prefix cache holds
         self.turns = PrefixAffinity(self.affinity.weight)  # what each decode worker's turn cache holds
-        self._stale_prefixes: set[str] = set()  # prefill workers whose prefix events showed a gap
+        self._stale_prefixes: set[str] = set()  # workers whose cache events showed a gap
         self.workers: dict[str, WorkerInfo] = {}
         self._plans: dict[tuple[str, str], dict] = {}
         self._outstanding: dict[str, int] = {}  # in flight from this router: prompt tokens per prefill, requests per decode

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-from baton.shared.kv.allocator import IdPool, KVError, require
+from baton.shared.kv.allocator import KVError, require
 from baton.shared.kv.cache_changes import CacheChanges, Cached
 from baton.shared.kv.prefix_hash import digests
 from baton.shared.kv.store import KVStore
@@ -36,18 +36,21 @@ from baton.shared.kv.store import KVStore
 class Turn:
     tokens: tuple[int, ...]  # the prompt's tokens over its whole pages: len = len(pages) * page_size
     pages: list[int]  # pinned
+    chain: list[int]  # digests of its first 0 .. len(pages) pages (prefix_hash): its index keys
+
+    def cached(self) -> Cached:
+        """As routers see it: all its pages, their digest, where it ends."""
+        return Cached(len(self.pages), self.chain[-1], len(self.tokens))
 
 
 class TurnCache:
     def __init__(self, store: KVStore, entries: int) -> None:
         if entries < 1:
             raise ValueError(f"a turn cache needs at least one entry, got {entries}")
-        self.store, self.ps = store, store.page_size
-        self.slots = IdPool(entries, "turn cache entries")
+        self.store, self.ps, self.entries = store, store.page_size, entries
         self._lru: OrderedDict[int, Turn] = OrderedDict()  # by id(turn), least recent first
         self._index: dict[tuple[int, int], list[Turn]] = {}  # (pages, digest of their tokens) -> turns
-        self._slot_of: dict[int, int] = {}  # id(turn) -> its entry slot
-        self.reused_tokens = self.evictions = 0
+        self.evictions = 0
         self.changes = CacheChanges()  # what routers have not been told yet
 
     def __len__(self) -> int:
@@ -66,7 +69,6 @@ class TurnCache:
         self.store.allocate(request_id, num_tokens, tuple(shared))
         if turn is not None:
             self._lru.move_to_end(id(turn))
-        self.reused_tokens += len(shared) * self.ps
         return len(shared) * self.ps
 
     def _match(self, prompt: list[int]) -> tuple[Turn | None, int]:
@@ -86,23 +88,22 @@ class TurnCache:
         if n == 0:
             return
         tokens = tuple(prompt[:n * self.ps])
-        same = next((t for t in self._index.get((n, digests(tokens, self.ps)[-1]), ()) if t.tokens == tokens), None)
+        chain = digests(tokens, self.ps)
+        same = next((t for t in self._index.get((n, chain[n]), ()) if t.tokens == tokens), None)
         if same is not None:  # the same prompt again
             self._lru.move_to_end(id(same))
             return
-        if self.slots.num_free == 0:
+        if len(self._lru) >= self.entries:
             self._evict_one()
         req = self.store.request(request_id)
         if req.length < n * self.ps:
             raise KVError(f"request {request_id}: its prompt is not in its pages")
-        turn = Turn(tokens, req.pages[:n])
+        turn = Turn(tokens, req.pages[:n], chain)
         self.store.pin(turn.pages)
-        self._slot_of[id(turn)] = self.slots.take(1)[0]
         self._lru[id(turn)] = turn
-        chain = digests(tokens, self.ps)
         for pages in range(1, n + 1):  # a prompt that repeats only its first pages shares those
             self._index.setdefault((pages, chain[pages]), []).append(turn)
-        self.changes.added(Cached(n, chain[n], n * self.ps))
+        self.changes.added(turn.cached())
 
     # --- eviction ----------------------------------------------------------------------------------
     def _evict_one(self, keep: Turn | None = None) -> bool:
@@ -110,16 +111,14 @@ class TurnCache:
         if turn is None:
             return False
         del self._lru[key]
-        chain = digests(turn.tokens, self.ps)
         for pages in range(1, len(turn.pages) + 1):
-            keyed = self._index[(pages, chain[pages])]
+            keyed = self._index[(pages, turn.chain[pages])]
             keyed.remove(turn)
             if not keyed:
-                del self._index[(pages, chain[pages])]
+                del self._index[(pages, turn.chain[pages])]
         self.store.unpin(turn.pages)
-        self.slots.give([self._slot_of.pop(key)])
         self.evictions += 1
-        self.changes.evicted(Cached(len(turn.pages), chain[-1], len(turn.tokens)))
+        self.changes.evicted(turn.cached())
         return True
 
     def reclaim(self) -> int:
@@ -134,19 +133,17 @@ class TurnCache:
         return self.changes.take()
 
     def snapshot(self) -> tuple[int, list[Cached]]:
-        return self.changes.skip(), [Cached(len(t.pages), digests(t.tokens, self.ps)[-1], len(t.tokens))
-                                     for t in self._lru.values()]
+        return self.changes.skip(), [t.cached() for t in self._lru.values()]
 
     # --- integrity ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """The store's pins are the entries' pages (nothing else pins on decode); slots and index agree."""
-        self.slots.check_integrity()
+        """The store's pins are the entries' pages (nothing else pins on decode); the bound holds and
+        the index agrees."""
         self.store.check_integrity()
         pins = Counter(p for t in self._lru.values() for p in t.pages)
         held = {p: int(n) for p, n in enumerate(self.store.page_pins) if n}
         require(held == dict(pins), "turn cache: pins out of sync")
-        require(set(self._slot_of) == set(self._lru) and set(self._slot_of.values()) == self.slots.used,
-                "turn cache: slots out of sync")
+        require(len(self._lru) <= self.entries, "turn cache: more entries than its bound")
         indexed = Counter(id(t) for keyed in self._index.values() for t in keyed)
         require(indexed == Counter({id(t): len(t.pages) for t in self._lru.values()}),
                 "turn cache: index and entries differ")

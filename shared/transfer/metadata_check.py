@@ -87,9 +87,9 @@ class MetadataCheck:
 
 
 def problem(agent: Any, worker_id: str, metadata: bytes, rows: list[list]) -> str:
-    """rows: [addr, nbytes, device id, memory kind] of each region the manifest names."""
     """The check itself, in the child: load as a peer would, compare the name, prepare the regions
-    (one list per memory kind, as a peer prepares them)."""
+    (one list per memory kind, as a peer prepares them). rows: [addr, nbytes, device id, memory
+    kind] of each region the manifest names."""
     from .nixl_ops import error_text
     try:
         name = agent.add_remote_agent(metadata)

@@ -80,7 +80,7 @@ class Batch:
     """Bytes of one transfer that go as one WRITE, resolved against both sides' region tables.
 
     `by_item`: `local`/`remote` are int32 indices into the prepared per-item lists (whole items of
-    any component). Otherwise they are [n, 3] uint64 rows (addr, nbytes, device 0) for a one-off
+    any component). Otherwise they are [n, 3] uint64 rows (addr, nbytes, device id) for a one-off
     prepared list (byte ranges). `components`: the component keys it carries, sorted.
     `local_kind`, `remote_kind`: the memory kind of its bytes on each side (one per WRITE)."""
     components: tuple[str, ...]
