@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from baton.shared.kv.aux import HEADER_BYTES
 from baton.shared.transfer import (AUX_KEY, ArrivalEvent, ArrivalTracker, Descriptor,
                                    DescriptorError, EventKind, Faults, Region, TransferMetrics)
 from baton.shared.transfer.nixl_ops import Xfer, cancel
@@ -124,6 +125,36 @@ def test_real_plans_take_the_plain_python_path(mode):
         got = _whole_items(descriptors, lt, rt)
         assert got is not None and same_batches(got, _resolve_vectorised(descriptors, lt, rt)), length
 
+
+@pytest.mark.parametrize("draft_state", ["transfer", "rebuild"])
+def test_a_real_plans_aux_row_goes_as_the_blocks_its_prefix_covers(draft_state):
+    """The aux rows are registered in blocks of header + one hidden row (kv/aux.py): when the draft
+    state travels the request carries one block of its row, not the whole row; when decode rebuilds
+    the draft window, the blocks that hold its W hidden rows. Always one WRITE, by index."""
+    from dataclasses import replace as with_fields
+
+    from baton.shared.kv.plan import make_plan
+    from baton.shared.kv.store import KVStore
+    from baton.shared.transfer.regions import regions_of
+    from test_kv_plan import CFG
+    kw = dict(mode="ring", num_pages=64, page_size=4, num_slots=8, max_draft_tokens=3)
+    src, dst = KVStore(CFG, draft_enabled=True, **kw), KVStore(CFG, draft_enabled=True, **kw)
+    ms, md = src.manifest("p", "fp", role="prefill"), dst.manifest("d", "fp", role="decode")
+    plan = with_fields(make_plan(ms, md), draft_state=draft_state)
+    lt, rt = RegionTable(regions_of(ms), "p"), RegionTable(regions_of(md), "d")
+    layout, length = src.aux_layout, 30
+    for store in (src, dst):
+        store.allocate("r0", 1)  # the request under test gets slot 1 on both sides
+        store.allocate("r1", length + 4)
+        store.extend("r1", length)
+    [batch] = resolve(plan.descriptors(length, src.allocation("r1"), dst.allocation("r1")), lt, rt)
+    aux_first = lt.first_item[(AUX_KEY, 0)]
+    blocks = sorted(int(i) - aux_first for i in batch.local if i >= aux_first)
+    rows = 1 if draft_state == "transfer" else min(length, layout.hidden_rows)
+    per_row = layout.item_bytes // layout.block_bytes
+    want = -(-(HEADER_BYTES + rows * layout.row_bytes) // layout.block_bytes)
+    assert blocks == list(range(per_row, per_row + want))  # the first blocks of slot 1's row
+    assert want < per_row or draft_state == "rebuild"
 
 def test_partial_items_go_as_byte_ranges_next_to_the_whole_items():
     local, remote = table("me"), table("peer", base=BASE << 1)

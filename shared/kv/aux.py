@@ -1,6 +1,6 @@
 """The aux component: one byte row per request slot, the small state decode needs to start.
 
-Row layout (item_bytes, a multiple of 8):
+Row layout (item_bytes, a whole number of blocks):
 
     offset 0   u64   request tag
     offset 8   i64   first sampled token t_L
@@ -10,6 +10,11 @@ Row layout (item_bytes, a multiple of 8):
 Newest-first means any prefix of the row (header + m hidden rows) carries the m most recent
 hidden states, so a transfer plan copies one contiguous run: m = 1 (h_{L-1}) when the draft
 state travels, m = min(L, W) when decode rebuilds the draft window from target hidden states.
+
+NIXL registers the rows in blocks of `block_bytes` (the header and one hidden row, rounded up to
+8), not whole rows: a transfer sends the whole blocks its prefix covers, by index into the
+prepared lists like pages, so the request stays one WRITE and the common prefix (m = 1) is one
+block, not the whole row (1 KB instead of 65 KB for this model).
 """
 from __future__ import annotations
 
@@ -35,8 +40,14 @@ class AuxLayout:
         return self.hidden_size * 4  # float32
 
     @property
+    def block_bytes(self) -> int:
+        """The unit NIXL registers and sends: the header and one hidden row, rounded up to 8."""
+        return -(-(HEADER_BYTES + self.row_bytes) // 8) * 8
+
+    @property
     def item_bytes(self) -> int:
-        return -(-(HEADER_BYTES + self.hidden_rows * self.row_bytes) // 8) * 8
+        """One request's row: enough whole blocks for the header and every hidden row."""
+        return -(-(HEADER_BYTES + self.hidden_rows * self.row_bytes) // self.block_bytes) * self.block_bytes
 
 
 @dataclass(frozen=True)

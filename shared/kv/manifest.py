@@ -184,16 +184,18 @@ def _check_aux(cfg: ModelConfig, comp: Component) -> None:
              for k, v in expected.items() if getattr(g, k) != v]
     if comp.ident.layer_ids:
         wrong.append(f"layer ids {list(comp.ident.layer_ids)} (expected none)")
-    _check_regions(comp, wrong)
+    _check_regions(comp, wrong, layout.block_bytes)  # registered in blocks, not rows (kv/aux.py)
 
 
-def _check_regions(comp: Component, wrong: list[str]) -> None:
+def _check_regions(comp: Component, wrong: list[str], unit: int | None = None) -> None:
+    """One region holding every item; NIXL's items are `unit` bytes (default: one item)."""
     g = comp.geometry
+    unit = g.item_bytes if unit is None else unit
     if len(comp.regions) != 1:
         wrong.append(f"{len(comp.regions)} regions (expected one for the whole component)")
     wrong += [f"region {i} is {r.nbytes} bytes of {r.item_bytes}-byte items (expected "
-              f"{g.num_items * g.item_bytes} bytes of {g.item_bytes})"
+              f"{g.num_items * g.item_bytes} bytes of {unit})"
               for i, r in enumerate(comp.regions)
-              if (r.nbytes, r.item_bytes) != (g.num_items * g.item_bytes, g.item_bytes)]
+              if (r.nbytes, r.item_bytes) != (g.num_items * g.item_bytes, unit)]
     if wrong:
         raise ManifestError(f"component {comp.name} has a wrong geometry: {'; '.join(wrong)}")

@@ -316,7 +316,7 @@ class KVStore:
                                 window=None, kv_heads=0, head_dim=0, order=ITEM_MAJOR,
                                 layers_per_item=0)
         comps.append(Component(ComponentId(AUX_KEY.owner, AUX_KEY.kind, ()), aux_geometry,
-                               (self._region(self.aux[0], layout.item_bytes),), "DRAM", 0))
+                               (self._region(self.aux[0], layout.block_bytes),), "DRAM", 0))
         return Manifest(worker_id=worker_id, role=role, fingerprint=fingerprint, mode=self.mode,
                         components=tuple(comps))
 

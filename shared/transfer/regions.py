@@ -14,8 +14,8 @@ adjacent pages is one descriptor; the table also takes several regions per compo
 per-layer layout `bench/transfer.py --layout layer` compares against).
 `nbytes = num_items * item_bytes`. NIXL sees every region as a list of items (pages or ring slots),
 prepared once per agent and once per peer: the whole items of a descriptor become indices into
-those prepared lists (the aux row's prefix goes as its whole row, so a worker's request is one
-WRITE); what is left (any descriptor not on item boundaries) is sent as byte ranges through a
+those prepared lists (the aux rows are registered in blocks, kv/aux.py, and a row's prefix goes
+as the whole blocks it covers, so a worker's request is one WRITE); what is left (any descriptor not on item boundaries) is sent as byte ranges through a
 list prepared for that request. Prepared lists are one per memory kind (NIXL's lists have one),
 so a request whose KV is in VRAM and aux row in DRAM is two WRITEs.
 """
@@ -169,7 +169,7 @@ def resolve(descriptors: list[Descriptor], local: RegionTable, remote: RegionTab
     as the memory kinds allow (one where both sides keep everything in one kind, as on the CPU):
     the whole items of every component by index into the prepared per-item lists, then the byte
     ranges (anything not on item boundaries) through one-off lists, each per pair of kinds. An aux prefix on a
-    row boundary goes as its whole row, so a plan of whole pages and slots is one WRITE. A
+    block boundary goes as the whole blocks it covers, so a plan of whole pages and slots is one WRITE. A
     descriptor starting on an item boundary on both sides sends its whole items by index and its
     tail as a range; any other descriptor is one range. One WRITE per request, not one per
     component: each WRITE costs a post, a notification and a completion check (on 2 cores about
@@ -202,7 +202,7 @@ def _whole_items(descriptors: list[Descriptor], local: RegionTable, remote: Regi
         ib, n = src.item_bytes, x.nbytes
         if x.component_key == AUX_KEY:
             auxes += 1
-            n = max(n, ib) if n >= TAG_BYTES else 0  # as its whole row (_resolve_vectorised)
+            n = -(-n // ib) * ib if n >= TAG_BYTES else 0  # as whole blocks (_resolve_vectorised)
         if not (0 < n and n % ib == 0 and 0 <= x.src_offset and 0 <= x.dst_offset and x.src_offset % ib == 0
                 and x.dst_offset % ib == 0 and x.src_offset + n <= src.nbytes and x.dst_offset + n <= dst.nbytes):
             return None
@@ -247,11 +247,11 @@ def _resolve_vectorised(descriptors: list[Descriptor], local: RegionTable, remot
         _check_descriptor(x, local.region((x.component_key, x.layer_index)),
                           remote.region((x.component_key, x.layer_index)))
     aligned = (src_off % ib == 0) & (dst_off % ib == 0)  # [n] starts on an item on both sides
-    # The aux prefix (header + the hidden rows sent) goes as its whole row: the row is the
-    # request's own slot on both sides and nothing reads past the header's row count (kv/aux.py),
-    # and then a request is one WRITE, not two: no one-off lists, one post, one notification
-    # (docs/benchmarks.md, issue 23, stop 25).
-    nbytes = np.where(aux & aligned, np.maximum(nbytes, ib), nbytes)
+    # The aux prefix (header + the hidden rows sent) goes as the whole blocks it covers: a row is
+    # whole blocks (kv/aux.py), the request's own slot on both sides, and nothing reads past the
+    # header's row count; then a request is one WRITE, not two: no one-off lists, one post, one
+    # notification (docs/benchmarks.md, issue 23, stop 25).
+    nbytes = np.where(aux & aligned, -(-nbytes // ib) * ib, nbytes)
     items = np.where(aligned, nbytes // ib, 0)  # [n] whole items
     tail = nbytes - items * ib  # [n] bytes sent as a range
     batches = []
