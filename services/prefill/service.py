@@ -362,8 +362,7 @@ class PrefillWorker:
                  out.first_token, out.hidden[-rows:] if rows else torch.zeros(0, self.model.cfg.hidden_size,
                                                                              device=self.store.device))
         src = self.store.allocation(seq.request_id)
-        return [Descriptor(d.component_key, d.layer_index, d.src_offset, d.dst_offset, d.nbytes)
-                for d in target.plan.descriptors(L, src, target.decode_alloc)]
+        return target.plan.descriptors(L, src, target.decode_alloc)
 
     async def _send(self, job: Job, target: Target, out: PrefillOutput, descriptors: list[Descriptor],
                     prefill_ms: float) -> None:

@@ -1,6 +1,8 @@
 """Memory regions, transfer descriptors, and their resolution into NIXL descriptor rows.
 
-`Descriptor` has the fields of `baton.shared.kv.Descriptor` and can be replaced by an import.
+`Descriptor` is the transfer plan's own (`baton.shared.kv.descriptors`): `nbytes` bytes from
+`src_offset` of the sender's region to `dst_offset` of the receiver's region with the same
+(component_key, layer_index).
 `Region` is one region of a component, flattened: from a kv manifest component `c`,
 `Region(c.name, i, r.addr, r.nbytes, r.item_bytes, c.mem_kind, c.device_id) for i, r in
 enumerate(c.regions)`. Its memory kind ("DRAM" host, "VRAM" a GPU's) and device id are what NIXL
@@ -25,6 +27,8 @@ import ctypes
 from dataclasses import dataclass
 
 import numpy as np
+
+from baton.shared.kv.descriptors import Descriptor
 
 AUX_KEY = "aux/AUX"  # component key of the aux region (= baton.shared.kv's aux component name)
 TAG_BYTES = 8  # an aux row starts with the request tag, u64 little-endian (written by the sender)
@@ -62,17 +66,6 @@ class Region:
     @property
     def num_items(self) -> int:
         return self.nbytes // self.item_bytes
-
-
-@dataclass(frozen=True)
-class Descriptor:
-    """`nbytes` bytes from `src_offset` of the sender's region to `dst_offset` of the receiver's
-    region with the same (component_key, layer_index)."""
-    component_key: str
-    layer_index: int
-    src_offset: int
-    dst_offset: int
-    nbytes: int
 
 
 @dataclass(frozen=True, eq=False)
