@@ -14,6 +14,7 @@ product (tests/test_model_reference.py compares against `transformers`).
 """
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -55,6 +56,19 @@ class RMSNorm(nn.Module):
 
 # the overload itself: calling the packet resolves it on every call (a few us, ~55 times a decode step)
 PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks weights of `dtype` on this CPU (bfloat16 needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; where it cannot, projections stay on F.linear, which runs bfloat16 anywhere)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype, device="cpu"), 4)
+    except RuntimeError:
+        return False
+    return True
 
 
 class Linear(nn.Linear):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Attention, DecoderLayer, Linear, RMSNorm, Rotary, SelfAttention
+from .layers import Attention, DecoderLayer, Linear, RMSNorm, Rotary, SelfAttention, onednn_packs
 
 
 class MTPLayer(nn.Module):
@@ -91,7 +91,7 @@ class BatonLM(nn.Module):
     def pack(self) -> "BatonLM":
         """Prepack every projection for CPU inference (see `Linear`) and cache the fused q/k norm
         weights; call again after changing weights."""
-        onednn = all(p.device.type == "cpu" for p in self.parameters()) and torch.backends.mkldnn.is_available()
+        onednn = all(p.device.type == "cpu" for p in self.parameters()) and onednn_packs(self.dtype)
         for module in self.modules():
             if isinstance(module, SelfAttention) or (onednn and isinstance(module, Linear)):
                 module.pack()
