@@ -67,6 +67,7 @@ class PrefillWorker:
         self.cache = (PrefixCache(self.store, config.prefix_cache, self.model.cfg.hidden_size)
                       if config.prefix_cache else None)
         self._evictions_counted = 0  # of cache.evictions, those in the metrics already
+        self.capacity = self.store.free_capacity()  # what the loop reports: the engine thread's snapshot
         self.manifest = self.store.manifest(config.worker_id, fingerprint(config.model), role="prefill")
         self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=peer_lookup(bus),
                                    copy_threads=config.transfer_threads)
@@ -83,7 +84,9 @@ class PrefillWorker:
         self.metrics = ServiceMetrics("prefill")
 
     def load(self) -> WorkerLoad:
-        free = self.store.free_capacity()
+        """Loop: the heartbeat's load, from the capacity the engine thread last published (only
+        that thread touches the store)."""
+        free = self.capacity
         self.metrics.free_pages.set(free.pages)
         self.metrics.free_slots.set(free.slots)
         self.metrics.queue.set(self.queue.qsize())
@@ -262,6 +265,7 @@ class PrefillWorker:
         for (job, seq), out, target in zip(seqs, outputs, targets):
             results.append((job, seq, out, self._try_stage(job, target, seq, out) if target else None))
             job.at.mark("computed")
+        self.capacity = self.store.free_capacity()
         return results
 
     def _allocate(self, d: PrefillDispatch) -> Hit | None:
@@ -318,6 +322,12 @@ class PrefillWorker:
                 self.store.free(job.request_id)
             except KVError:
                 pass  # its allocation had failed (busy), or it was never reached
+        self.capacity = self.store.free_capacity()
+
+    def _free(self, request_id: str) -> None:
+        """Engine thread: free one request's KV and publish the capacity left."""
+        self.store.free(request_id)
+        self.capacity = self.store.free_capacity()
 
     async def _deliver(self, job: Job, seq: Sequence, out: PrefillOutput, staged: Staged,
                        prefill_ms: float) -> None:
@@ -326,7 +336,7 @@ class PrefillWorker:
         if staged is None:
             staged, prefill_ms = await self._stage_when_targeted(job, seq, out, prefill_ms)
         if isinstance(staged, BatonError):
-            await self.engine.call(self.store.free, job.request_id)
+            await self.engine.call(self._free, job.request_id)
             _fail(job, staged)
             return
         await self._send(job, job.target, out, staged, prefill_ms)
@@ -373,7 +383,7 @@ class PrefillWorker:
                                             self.config.transfer_deadline_s)
             job.at.mark("written")
         finally:
-            await self.engine.call(self.store.free, rid)  # nothing of ours is in flight any more
+            await self.engine.call(self._free, rid)  # nothing of ours is in flight any more
         self.metrics.requests.labels(result.status.value).inc()
         log_request("prefill", rid, outcome=result.status.value, prompt_tokens=len(job.dispatch.token_ids),
                     prefill_ms=round(prefill_ms, 2), transfer_ms=round(result.seconds * 1000, 2),
