@@ -90,6 +90,32 @@ def kill(cluster, role: str, index: int = 0) -> None:
     procs[index].wait()
 
 
+async def prefill_holding_requests(cluster, timeout_s: float = 30.0) -> int:
+    """Index (among the prefill children) of the first prefill whose heartbeat reports requests."""
+    prefills = [cluster.worker_ids[i] for i, (role, _) in enumerate(cluster.children) if role == "prefill"]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = await worker_loads(cluster.nats_url)
+        holding = [i for i, worker_id in enumerate(prefills) if loads.get(worker_id, (0,) * 7)[5] > 0]
+        if holding:
+            return holding[0]
+        assert time.monotonic() < deadline, f"no prefill reported a request within {timeout_s:g} s: {loads}"
+        await asyncio.sleep(0.05)
+
+
+async def registered_again(url: str, roles: set[str], timeout_s: float = 60.0) -> None:
+    """Until a worker of each role is registered (the registry may still be starting: no answer)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if roles <= {v[0] for v in (await worker_loads(url)).values()}:
+                return
+        except BatonError:
+            pass
+        assert time.monotonic() < deadline, f"{roles} not registered within {timeout_s:g} s"
+        await asyncio.sleep(0.1)
+
+
 def migrations(cluster) -> list[int]:
     """Tokens sent before each request that moved off a lost decode (the router's request log)."""
     lines = [line for log in Path(cluster.log_dir).glob("router-*.log") for line in log.read_text().splitlines()]
@@ -128,13 +154,13 @@ def test_decode_killed_mid_request_continues_on_another(reference):
                 assert_exact(reference, later, await outcome(bus, later, 20), 20)
                 # a restarted decode registers and takes traffic (no lasting "no responders")
                 cluster.spawn("decode", ["--model", str(DEFAULT_MODEL_DIR), "--threads", "1"], cluster.log_dir)
-                for attempt in range(60):
-                    loads = await worker_loads(cluster.nats_url)
-                    if sum(v[0] == "decode" for v in loads.values()) == 2:
+                restarted = cluster.worker_ids[len(cluster.children) - 1]
+                replies = []
+                for attempt in range(60):  # until the router sends it work (its view refreshes every 0.5 s);
+                    # six at once: more than the other decode's turn-cache bonus for this prompt
+                    replies += await asyncio.gather(*(outcome(bus, later, 8) for _ in range(6)))
+                    if (await worker_loads(cluster.nats_url)).get(restarted, (0,) * 7)[6] > 0:
                         break
-                    await asyncio.sleep(0.5)
-                await asyncio.sleep(1.0)  # the router's view refreshes every 0.5 s
-                replies = await asyncio.gather(*(outcome(bus, later, 8) for _ in range(6)))
                 assert all(isinstance(r, GenerateReply) for r in replies), replies
             loads = await wait_all_free(cluster.nats_url, min_requests=1)
             decodes = [v for v in loads.values() if v[0] == "decode"]
@@ -149,8 +175,8 @@ def test_prefill_killed_before_its_transfer_is_retried(reference, monkeypatch):
             async with await Bus.connect(cluster.nats_url, "test") as bus:
                 prompts = [prompt(30, 20 + s) for s in range(4)]
                 tasks = [asyncio.create_task(outcome(bus, p, 8)) for p in prompts]
-                await asyncio.sleep(1.0)
-                kill(cluster, "prefill", 0)
+                holding = await prefill_holding_requests(cluster)  # its WRITEs wait 3 s: killed before they go
+                kill(cluster, "prefill", holding)
                 results = await asyncio.gather(*tasks)
                 for p, r in zip(prompts, results):  # those on the killed prefill were retried on the other
                     assert_exact(reference, p, r, 8)
@@ -169,7 +195,7 @@ def test_registry_restart_keeps_requests_flowing(reference):
                 assert_exact(reference, p, await inflight, 200)
                 assert_exact(reference, p, await outcome(bus, p, 10), 10)  # router's cached view
                 cluster.spawn("registry", ["--model", str(DEFAULT_MODEL_DIR)], cluster.log_dir)
-                await asyncio.sleep(LEASE_S)  # workers heartbeat into the restarted registry
+                await registered_again(cluster.nats_url, {"prefill", "decode"})  # they heartbeat into it
                 assert_exact(reference, p, await outcome(bus, p, 10), 10)
             loads = await wait_all_free(cluster.nats_url)
             assert sorted(v[0] for v in loads.values()) == ["decode", "prefill"]
