@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from baton.proto import subjects
-from baton.proto.codec import decode
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, CachedPrefix, Capacity, Deregistration, Heartbeat, HeartbeatReply,
                                   LookupReply, LookupRequest, PrefixEvents, RegisterReply, WorkerEvent, WorkerLoad,
                                   WorkerRegistration)
 from baton.shared.bus import Bus
+from baton.shared.bus.wire import decode_event
 from baton.shared.config import WorkerSection
 from baton.shared.kv.cache_changes import Cached
 from baton.shared.kv.codec import from_plain, to_plain
@@ -148,10 +148,7 @@ async def on_worker_left(bus: Bus, callback: Callable[[str], Any]) -> None:
     or lease expired): its NIXL peer is dropped and what it held is released. Anyone on the bus
     can publish an event, so a "left" counts only if the registry's own view agrees."""
     async def handle(msg) -> None:
-        try:
-            event = decode(msg.data, WorkerEvent)
-        except BatonError as exc:
-            log.warning("ignored malformed worker event: %s", exc)
+        if (event := decode_event(msg.data, WorkerEvent, log)) is None:
             return
         if event.kind == "left" and await _left_indeed(bus, event):
             await callback(event.worker_id)

@@ -65,3 +65,18 @@ def test_floats_accept_ints_and_come_back_as_floats():
 def test_spec_acceptance_length():
     assert public.SpecStats(verify_steps=2, drafted=6, accepted=4).acceptance_length == 3.0
     assert public.SpecStats().acceptance_length == 0.0
+
+
+def test_a_malformed_event_is_logged_and_dropped_and_a_good_one_decoded(caplog):
+    """Events (published, never answered) have no one to get an error reply: the subscriber logs
+    what was wrong and goes on."""
+    import logging
+
+    from baton.proto.internal import WorkerEvent
+    from baton.shared.bus.wire import decode_event
+    event = WorkerEvent(kind="left", worker_id="decode-1", role="decode", reason="lease expired")
+    logger = logging.getLogger("test.events")
+    assert decode_event(encode(event), WorkerEvent, logger) == event
+    with caplog.at_level(logging.WARNING, logger="test.events"):
+        assert decode_event(b"\x93\x01\x02\x03", WorkerEvent, logger) is None
+    assert "ignored a malformed WorkerEvent" in caplog.text

@@ -14,11 +14,11 @@ import time
 from typing import Callable
 
 from baton.proto import subjects
-from baton.proto.codec import decode
 from baton.proto.errors import BatonError
 from baton.proto.internal import (LookupReply, LookupRequest, PlanReply, PlanRequest, PrefixEvents, PrefixQuery,
                                   WorkerEvent, WorkerInfo)
 from baton.shared.bus import Bus
+from baton.shared.bus.wire import decode_event
 
 from .affinity import PrefixAffinity
 
@@ -98,10 +98,7 @@ class Directory:
             return None
 
     async def _on_prefix_events(self, msg) -> None:
-        try:
-            events = decode(msg.data, PrefixEvents)
-        except BatonError as exc:
-            log.warning("ignored malformed prefix events: %s", exc)
+        if (events := decode_event(msg.data, PrefixEvents, log)) is None:
             return
         worker = self.workers.get(events.worker_id)
         if worker is not None and not self.cached(worker.registration.role).apply(events):
@@ -146,10 +143,7 @@ class Directory:
         self._plans = {k: v for k, v in self._plans.items() if worker_id not in k}
 
     async def _on_event(self, msg) -> None:
-        try:
-            event = decode(msg.data, WorkerEvent)
-        except BatonError as exc:
-            log.warning("ignored malformed worker event: %s", exc)
+        if (event := decode_event(msg.data, WorkerEvent, log)) is None:
             return
         log.info("worker %s %s (%s)", event.worker_id, event.kind, event.reason)
         if event.kind == "left":

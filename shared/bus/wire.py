@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import contextmanager
 from typing import Any, Iterator, TypeVar
 
 import nats.errors
 
-from baton.proto.codec import decode_reply, encode
+from baton.proto.codec import decode, decode_reply, encode
 from baton.proto.errors import BatonError, ErrorCode, ErrorReply, NotListening
 from baton.proto.limits import Limits
 
@@ -18,6 +19,16 @@ NOT_CONNECTED = (
     nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError,
     nats.errors.StaleConnectionError, nats.errors.NoServersError,
 )
+
+
+def decode_event(data: bytes, cls: type[M], logger: logging.Logger) -> M | None:
+    """A published message nobody answers (an event): the message, or None after logging why it
+    was malformed (there is no one to send an error reply to)."""
+    try:
+        return decode(data, cls)
+    except BatonError as exc:
+        logger.warning("ignored a malformed %s: %s", cls.__name__, exc)
+        return None
 
 
 def connection_epoch(nc) -> int:
