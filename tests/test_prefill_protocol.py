@@ -36,8 +36,25 @@ async def worker_id(bus: Bus, role: str = "prefill") -> str:
     return next(w.registration.worker_id for w in reply.workers if w.registration.role == role)
 
 
-def dispatch(request_id: str) -> PrefillDispatch:
-    return PrefillDispatch(request_id=request_id, token_ids=list(range(1, 17)), sampling=SamplingParams())
+def dispatch(request_id: str, first: int = 1) -> PrefillDispatch:
+    """16 prompt tokens from `first`: a test that waits for prefill to compute gives its own, which
+    no earlier dispatch left in the prefix cache."""
+    return PrefillDispatch(request_id=request_id, token_ids=list(range(first, first + 16)), sampling=SamplingParams())
+
+
+def computed_tokens(cluster) -> float:
+    """Prompt tokens the prefill workers computed so far (their /metrics)."""
+    from test_e2e_generate import scrape
+    return sum(scrape(m["port"]).get("baton_prefill_computed_tokens_total", 0.0)
+               for m in cluster.metrics if m["role"] == "prefill")
+
+
+async def until_computed(cluster, before: float, timeout_s: float = 30.0) -> None:
+    """Until prefill computed more than `before` tokens: the dispatch waits for its target now."""
+    deadline = time.monotonic() + timeout_s
+    while computed_tokens(cluster) <= before:
+        assert time.monotonic() < deadline, f"prefill computed nothing within {timeout_s:g} s"
+        await asyncio.sleep(0.02)
 
 
 async def outcome(coro):
@@ -75,10 +92,10 @@ def test_dispatch_without_target_times_out_and_frees(cluster):
 def test_release_ends_a_dispatch_and_frees(cluster):
     async def run():
         async with await Bus.connect(cluster.nats_url, "test") as bus:
-            worker = await worker_id(bus)
-            pending = asyncio.create_task(outcome(bus.request(subjects.prefill_dispatch(worker), dispatch("released"),
+            worker, before = await worker_id(bus), computed_tokens(cluster)
+            pending = asyncio.create_task(outcome(bus.request(subjects.prefill_dispatch(worker), dispatch("released", 100),
                                                               PrefillDone, timeout=DEADLINE_S + 20)))
-            await asyncio.sleep(0.5)  # computed by now, waiting for its target
+            await until_computed(cluster, before)
             await bus.request(subjects.prefill_release(worker), ReleaseRequest(request_id="released", reason="test"), Ack)
             got = await asyncio.wait_for(pending, DEADLINE_S / 2)
             assert isinstance(got, BatonError) and got.code is ErrorCode.UNAVAILABLE, got
@@ -116,10 +133,11 @@ def test_target_that_does_not_fit_fails_only_its_request_and_frees(cluster, targ
                                    transfer_plan=plan)  # holds none of the prompt's positions
             if target_first:
                 await bus.request(subjects.prefill_target(prefill), target, Ack)
-            pending = asyncio.create_task(outcome(bus.request(subjects.prefill_dispatch(prefill), dispatch("misfit"),
+            before = computed_tokens(cluster)
+            pending = asyncio.create_task(outcome(bus.request(subjects.prefill_dispatch(prefill), dispatch("misfit", 200 if target_first else 300),
                                                               PrefillDone, timeout=DEADLINE_S + 20)))
             if not target_first:
-                await asyncio.sleep(0.5)  # computed by now, waiting for its target
+                await until_computed(cluster, before)
                 await bus.request(subjects.prefill_target(prefill), target, Ack)
             got = await asyncio.wait_for(pending, DEADLINE_S / 2)
             assert isinstance(got, BatonError) and got.code is ErrorCode.BAD_REQUEST, got
