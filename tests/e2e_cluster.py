@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,17 @@ def running_cluster(nats_url: str | None = None, prefill: int = 1, decode: int =
 def print_logs(log_dir: str) -> None:
     for path in sorted(Path(log_dir).glob("*.log")):
         print(f"--- {path.name} ---\n{path.read_text()[-4000:]}")
+
+
+async def until(condition, timeout_s: float, what: str, every_s: float = 0.2):
+    """`await condition()` again every `every_s` until it is truthy; returns it. AssertionError
+    naming `what` if that takes more than `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := await condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        await asyncio.sleep(every_s)
+    return result
 
 
 async def worker_loads(url: str) -> dict[str, tuple]:

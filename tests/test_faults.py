@@ -20,7 +20,7 @@ from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
-from e2e_cluster import Reference, running_cluster, wait_all_free, worker_loads
+from e2e_cluster import Reference, running_cluster, until, wait_all_free, worker_loads
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 LEASE_S = 10.0  # registry lease: a killed worker is noticed within this plus a sweep
@@ -93,27 +93,21 @@ def kill(cluster, role: str, index: int = 0) -> None:
 async def prefill_holding_requests(cluster, timeout_s: float = 30.0) -> int:
     """Index (among the prefill children) of the first prefill whose heartbeat reports requests."""
     prefills = [cluster.worker_ids[i] for i, (role, _) in enumerate(cluster.children) if role == "prefill"]
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    async def holding() -> list[int]:
         loads = await worker_loads(cluster.nats_url)
-        holding = [i for i, worker_id in enumerate(prefills) if loads.get(worker_id, (0,) * 7)[5] > 0]
-        if holding:
-            return holding[0]
-        assert time.monotonic() < deadline, f"no prefill reported a request within {timeout_s:g} s: {loads}"
-        await asyncio.sleep(0.05)
+        return [i for i, worker_id in enumerate(prefills) if loads.get(worker_id, (0,) * 7)[5] > 0]
+    return (await until(holding, timeout_s, "a prefill reporting a request", every_s=0.05))[0]
 
 
 async def registered_again(url: str, roles: set[str], timeout_s: float = 60.0) -> None:
     """Until a worker of each role is registered (the registry may still be starting: no answer)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    async def registered() -> bool:
         try:
-            if roles <= {v[0] for v in (await worker_loads(url)).values()}:
-                return
+            return roles <= {v[0] for v in (await worker_loads(url)).values()}
         except BatonError:
-            pass
-        assert time.monotonic() < deadline, f"{roles} not registered within {timeout_s:g} s"
-        await asyncio.sleep(0.1)
+            return False
+    await until(registered, timeout_s, f"{sorted(roles)} registered again", every_s=0.1)
 
 
 def migrations(cluster) -> list[int]:

@@ -36,7 +36,7 @@ from baton.proto.public import GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
 import multihost
 from baton.services.registry.service import BUCKET
-from e2e_cluster import Reference, wait_all_free, window_prompts, worker_loads
+from e2e_cluster import Reference, until, wait_all_free, window_prompts, worker_loads
 
 REASON = multihost.available()
 pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.timeout(600),
@@ -146,15 +146,6 @@ async def load(bus: Bus, prompts: list[list[int]], total: int, in_flight: int, d
         async with gate:
             done.append((i, time.monotonic(), await outcome(bus, prompts[i % len(prompts)], stream=i % 2 == 1)))
     await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(total))), LOAD_TIMEOUT_S)
-
-
-async def until(condition, timeout_s: float, what: str, every_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while not (result := await condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s")
-        await asyncio.sleep(every_s)
-    return result
 
 
 async def registered(bus: Bus) -> dict[str, str]:

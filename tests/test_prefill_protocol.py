@@ -17,7 +17,7 @@ from baton.proto.public import GenerateReply, GenerateRequest
 from baton.services.router.affinity import PrefixAffinity
 from baton.shared.bus import Bus
 from baton.shared.kv.prefix_hash import digests
-from e2e_cluster import running_cluster, wait_all_free
+from e2e_cluster import running_cluster, until, wait_all_free
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 DEADLINE_S = 8.0  # the workers' transfer deadline: how long prefill holds a state with no target
@@ -51,10 +51,9 @@ def computed_tokens(cluster) -> float:
 
 async def until_computed(cluster, before: float, timeout_s: float = 30.0) -> None:
     """Until prefill computed more than `before` tokens: the dispatch waits for its target now."""
-    deadline = time.monotonic() + timeout_s
-    while computed_tokens(cluster) <= before:
-        assert time.monotonic() < deadline, f"prefill computed nothing within {timeout_s:g} s"
-        await asyncio.sleep(0.02)
+    async def computed() -> bool:
+        return computed_tokens(cluster) > before
+    await until(computed, timeout_s, "prefill computing the dispatch", every_s=0.02)
 
 
 async def outcome(coro):
