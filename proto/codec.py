@@ -1,71 +1,100 @@
-"""The one codec: message dataclass <-> msgpack bytes, with a version field and bounded decoding.
+"""The one codec: message <-> msgpack bytes, with a version field, decoded and checked by msgspec.
 
-Never pickle: the decoder builds only maps, lists, str, bytes, int, float, bool and nil, within the
-size limits of `Limits`; extension types (timestamps included) are refused.
+Never pickle: a message decodes only into its declared Struct (str, bytes, int, float, bool, nil,
+lists and nested messages; `dict` fields hold plain maps and lists, depth-bounded). Extension
+types (timestamps included) are refused, and so is a message over `Limits.max_message_bytes`.
 """
 from __future__ import annotations
 
-from dataclasses import is_dataclass
-from typing import Any, TypeVar
+from functools import cache
+from typing import Any, TypeVar, Union
 
 import msgpack
+import msgspec
 
 from .errors import BatonError, ErrorCode, ErrorReply, bad_request
 from .limits import DEFAULT_LIMITS, Limits
-from .schema import from_plain, to_plain
+from .message import VERSION, Message, Unversioned
+from .schema import check_plain, opaque_fields, refusal
 
-VERSION = 1  # the `v` field every message carries
+__all__ = ["VERSION", "decode", "decode_reply", "encode", "unpack"]
 
 M = TypeVar("M")
 
+_ENCODER = msgspec.msgpack.Encoder()
+
 
 def encode(message: Any) -> bytes:
-    """Encode a message dataclass as a msgpack map with `v` first."""
-    if not is_dataclass(message) or isinstance(message, type):
-        raise TypeError(f"encode() takes a message dataclass instance, got {type(message).__name__}")
+    """Encode a message as a msgpack map with `v` first."""
+    if not isinstance(message, Message):
+        raise TypeError(f"encode() takes a message instance, got {type(message).__name__}")
     try:
-        return msgpack.packb({"v": VERSION, **to_plain(message)}, use_bin_type=True)
+        return _ENCODER.encode(message)
     except (TypeError, ValueError, OverflowError) as exc:
         raise BatonError(ErrorCode.INTERNAL, f"cannot encode {type(message).__name__}: {exc}") from exc
 
 
 def decode(data: bytes, cls: type[M], limits: Limits = DEFAULT_LIMITS) -> M:
     """Decode and validate one message of type `cls`; any problem raises BatonError."""
-    return from_plain(cls, _unpack_versioned(data, limits), limits)
+    _check_size(data, limits)
+    message = _decode(data, cls, limits)
+    if isinstance(message, Unversioned):
+        raise bad_request(f"field 'v': unsupported protocol version 0; this service speaks v={VERSION}")
+    for name in opaque_fields(cls):
+        check_plain(getattr(message, name), name, limits.max_depth)
+    if hasattr(message, "validate"):
+        message.validate(limits)
+    return message
 
 
 def decode_reply(data: bytes, cls: type[M], limits: Limits = DEFAULT_LIMITS) -> M | ErrorReply:
     """Like `decode`, but a reply with an "error" field decodes as ErrorReply instead of `cls`."""
-    plain = _unpack_versioned(data, limits)
-    return from_plain(ErrorReply if "error" in plain else cls, plain, limits)
-
-
-def _unpack_versioned(data: bytes, limits: Limits) -> dict:
-    plain = unpack(data, limits)
-    if not isinstance(plain, dict):
-        raise bad_request(f"a message must be a msgpack map, got {type(plain).__name__}")
-    version = plain.pop("v", None)
-    if version is None:
-        raise bad_request("missing field 'v' (protocol version)")
-    if type(version) is not int or version != VERSION:
-        raise bad_request(f"field 'v': unsupported protocol version {version!r}; this service speaks v={VERSION}")
-    return plain
+    try:
+        return decode(data, cls, limits)
+    except BatonError as not_cls:
+        try:
+            return decode(data, ErrorReply, limits)
+        except BatonError:
+            raise not_cls from None
 
 
 def unpack(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Any:
-    """Bounded msgpack decoding of untrusted bytes into plain data."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise bad_request(f"a message must be bytes, got {type(data).__name__}")
-    if len(data) > limits.max_message_bytes:
-        raise BatonError(ErrorCode.TOO_LARGE,
-                         f"message is {len(data)} bytes; the limit is {limits.max_message_bytes}")
+    """Bounded msgpack decoding of untrusted bytes into plain data (for error messages and tools)."""
+    _check_size(data, limits)
     try:
-        return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=limits.max_str_bytes, max_bin_len=limits.max_bin_bytes,
-            max_array_len=limits.max_array_len, max_map_len=limits.max_map_len, max_ext_len=0)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, max_ext_len=0)
     except msgpack.StackError:
         raise bad_request("message is nested too deeply") from None
     except Exception as exc:  # the parser's errors vary (ValueError, FormatError, UnicodeError, ...)
         reason = "extension types are not allowed" if "max_ext_len" in str(exc) else str(exc) or type(exc).__name__
         raise bad_request(f"cannot decode message: {reason}") from None
+
+
+def _decode(data: bytes, cls: type[M], limits: Limits) -> M:
+    try:
+        return _decoder(cls).decode(data)
+    except msgspec.ValidationError as exc:
+        raise refusal(exc, cls, unpack(data, limits)) from None
+    except RecursionError:
+        raise bad_request("message is nested too deeply") from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"cannot decode message: {exc}") from None
+
+
+def _check_size(data: Any, limits: Limits) -> None:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise bad_request(f"a message must be bytes, got {type(data).__name__}")
+    if len(data) > limits.max_message_bytes:
+        raise BatonError(ErrorCode.TOO_LARGE,
+                         f"message is {len(data)} bytes; the limit is {limits.max_message_bytes}")
+
+
+@cache
+def _decoder(cls: type) -> msgspec.msgpack.Decoder:
+    if not (isinstance(cls, type) and issubclass(cls, Message)):
+        raise TypeError(f"decode() takes a message type (a part travels only inside one), got {cls!r}")
+    return msgspec.msgpack.Decoder(Union[cls, Unversioned], ext_hook=_no_extensions)
+
+
+def _no_extensions(code: int, data: memoryview) -> Any:
+    raise bad_request("cannot decode message: extension types are not allowed")

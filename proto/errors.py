@@ -1,8 +1,9 @@
 """Error codes, the exception that carries them, and the error reply that puts them on the wire."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
+
+from .message import Message, Part
 
 
 class ErrorCode(str, Enum):
@@ -41,14 +42,12 @@ def bad_request(message: str) -> BatonError:
     return BatonError(ErrorCode.BAD_REQUEST, message)
 
 
-@dataclass(frozen=True, kw_only=True)
-class ErrorDetail:
+class ErrorDetail(Part):
     code: ErrorCode
     message: str
 
 
-@dataclass(frozen=True, kw_only=True)
-class ErrorReply:
+class ErrorReply(Message):
     """The reply to any request that failed: {"v": 1, "error": {"code": ..., "message": ...}}."""
 
     error: ErrorDetail

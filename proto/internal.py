@@ -5,39 +5,36 @@ maps and are validated there, not here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Literal
 
 from .errors import bad_request
-from .fields import Count, Millis, RequestId, Seed, Subject, TokenId, WorkerId
-from .limits import Limits
+from .fields import AgentMetadata, Count, Finite, Millis, RequestId, Seed, Subject, TokenId, WorkerId
+from .message import Message, Part
 from .public import (FinishReason, Logprobs, SpecStats, Timing, check_draft_tokens, check_logprobs, check_penalties,
                      check_sampling)
 
 Role = Literal["prefill", "decode"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Ack:
+class Ack(Message):
     """An empty success reply."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
+class SamplingParams(Part):
+    temperature: Finite = 0.0
+    top_p: Finite = 1.0
     seed: Seed | None = None
-    stop_token_ids: list[TokenId] = field(default_factory=list)
+    stop_token_ids: list[TokenId] = []
     draft_tokens: int | None = None  # GenerateRequest.draft_tokens: a cap on the deployment's K
     min_tokens: int = 0  # GenerateRequest.min_tokens: stop tokens among the first this many do not stop
-    presence_penalty: float = 0.0  # GenerateRequest's three penalties (shared/engine/penalties.py)
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: Finite = 0.0  # GenerateRequest's three penalties (shared/engine/penalties.py)
+    frequency_penalty: Finite = 0.0
+    repetition_penalty: Finite = 1.0
     output_in_prompt: Count = 0  # a continuation's: the prompt's last this many tokens were output (penalties count them)
     logprobs: int | None = None  # GenerateRequest.logprobs: decode reports the generated tokens' logprobs
     prompt_logprobs: int | None = None  # GenerateRequest.prompt_logprobs: prefill reports the prompt's
 
-    def validate(self, limits: Limits) -> None:
+    def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_p)
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         check_logprobs(self.logprobs, self.prompt_logprobs)
@@ -48,31 +45,27 @@ class SamplingParams:
 
 # --- registry ---------------------------------------------------------------------------
 
-@dataclass(frozen=True, kw_only=True)
-class Capacity:
+class Capacity(Part):
     total_pages: Count
     page_size: Count  # token positions per page
     total_slots: Count  # requests resident at once (ring slots / batch rows)
     max_seq_len: Count  # prompt + completion tokens per request
 
 
-@dataclass(frozen=True, kw_only=True)
-class WorkerRegistration:
+class WorkerRegistration(Message):
     worker_id: WorkerId
     instance_id: WorkerId  # random per process start: tells a restarted worker from a second live one
     role: Role
     manifest: dict  # the KV library's manifest, plain data
-    nixl_metadata: bytes  # NIXL agent metadata (opaque; never unpickled)
+    nixl_metadata: AgentMetadata  # NIXL agent metadata (opaque; never unpickled)
     capacity: Capacity
 
 
-@dataclass(frozen=True, kw_only=True)
-class RegisterReply:
+class RegisterReply(Message):
     lease_ms: Count  # heartbeat at least this often or be dropped
 
 
-@dataclass(frozen=True, kw_only=True)
-class WorkerLoad:
+class WorkerLoad(Part):
     free_pages: Count
     free_slots: Count
     active_requests: Count
@@ -81,59 +74,50 @@ class WorkerLoad:
     draining: bool = False  # stopping: finishing what it holds, taking nothing new (route elsewhere)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Heartbeat:
+class Heartbeat(Message):
     worker_id: WorkerId
     instance_id: WorkerId
     load: WorkerLoad
 
 
-@dataclass(frozen=True, kw_only=True)
-class HeartbeatReply:
+class HeartbeatReply(Message):
     registered: bool  # False: the lease expired or was never granted; register again
 
 
-@dataclass(frozen=True, kw_only=True)
-class Deregistration:
+class Deregistration(Message):
     worker_id: WorkerId
     instance_id: WorkerId
     reason: str = ""
 
 
-@dataclass(frozen=True, kw_only=True)
-class LookupRequest:
+class LookupRequest(Message):
     """Live workers, filtered by role and/or id; no filter returns all."""
 
     role: Role | None = None
     worker_id: WorkerId | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
-class WorkerInfo:
+class WorkerInfo(Part):
     registration: WorkerRegistration
     load: WorkerLoad
 
 
-@dataclass(frozen=True, kw_only=True)
-class LookupReply:
+class LookupReply(Message):
     workers: list[WorkerInfo]
 
 
-@dataclass(frozen=True, kw_only=True)
-class PlanRequest:
+class PlanRequest(Message):
     prefill_worker_id: WorkerId
     decode_worker_id: WorkerId
 
 
-@dataclass(frozen=True, kw_only=True)
-class PlanReply:
+class PlanReply(Message):
     prefill_worker_id: WorkerId
     decode_worker_id: WorkerId
     plan: dict  # the KV library's transfer plan, plain data
 
 
-@dataclass(frozen=True, kw_only=True)
-class WorkerEvent:
+class WorkerEvent(Message):
     kind: Literal["joined", "draining", "left"]  # draining: stopping, still registered, takes nothing new
     worker_id: WorkerId
     role: Role
@@ -143,41 +127,37 @@ class WorkerEvent:
 
 # --- prefix caches (published by prefill workers, read by every router) ------------------
 
-@dataclass(frozen=True, kw_only=True)
-class CachedPrefix:
+class CachedPrefix(Part):
     """One prompt end a prefill worker's prefix cache holds (shared/kv/prefix_cache.py)."""
     blocks: Count  # whole blocks of `PrefixEvents.block` tokens that the digest covers
     digest: Seed  # their chained digest (shared/kv/prefix_hash.py)
     tokens: Count  # where the cached prompt ends: a prompt that extends it starts up to here
 
 
-@dataclass(frozen=True, kw_only=True)
-class PrefixEvents:
+class PrefixEvents(Message):
     """What changed in one prefill worker's prefix cache, or (snapshot) all it holds."""
     worker_id: WorkerId
     instance_id: str
     seq: Count  # per instance: +1 per change message; a snapshot is current at this seq
     block: Count  # tokens per block of the digests
-    added: list[CachedPrefix] = field(default_factory=list)
-    evicted: list[CachedPrefix] = field(default_factory=list)
+    added: list[CachedPrefix] = []
+    evicted: list[CachedPrefix] = []
     snapshot: bool = False  # `added` is everything the cache holds (the reply to a PrefixQuery)
 
-    def validate(self, limits: Limits) -> None:
+    def __post_init__(self) -> None:
         if self.block < 1:
             raise bad_request(f"field 'block': must be >= 1, got {self.block}")
         if self.snapshot and self.evicted:
             raise bad_request("a snapshot lists what is held, not what was evicted")
 
 
-@dataclass(frozen=True, kw_only=True)
-class PrefixQuery:
+class PrefixQuery(Message):
     """Ask a prefill worker for everything its prefix cache holds (reply: a PrefixEvents snapshot)."""
 
 
 # --- decode ----------------------------------------------------------------------------
 
-@dataclass(frozen=True, kw_only=True)
-class ReserveRequest:
+class ReserveRequest(Message):
     request_id: RequestId
     token_ids: list[TokenId]  # the prompt
     max_tokens: Count
@@ -188,15 +168,13 @@ class ReserveRequest:
     draft_state: Literal["none", "transfer", "rebuild", "cold"]  # the plan's: how the draft window starts
 
 
-@dataclass(frozen=True, kw_only=True)
-class ReserveReply:
+class ReserveReply(Message):
     request_id: RequestId
     decode_worker_id: WorkerId
     allocation: dict  # the KV library's allocation record (pages, ring slots), plain data
 
 
-@dataclass(frozen=True, kw_only=True)
-class ReleaseRequest:
+class ReleaseRequest(Message):
     """Abort a request and free what it holds: on decode, a reserved or running request's pages
     and slots; on prefill, a dispatched request that has no PrefillTarget yet."""
 
@@ -205,8 +183,7 @@ class ReleaseRequest:
     finish_reason: Literal["abort", "stop"] = "abort"  # how decode ends it: "stop" when a stop string matched
 
 
-@dataclass(frozen=True, kw_only=True)
-class TokenChunk:
+class TokenChunk(Message):
     """Decode -> router on the request's stream subject; `seq` counts chunks from 0 so the
     router notices a lost message. A failure is published there as an ErrorReply instead."""
 
@@ -219,7 +196,7 @@ class TokenChunk:
     timing: Timing | None = None  # set when finished; measured on decode from reserve
     logprobs: Logprobs | None = None  # of token_ids, when the request asked for logprobs
 
-    def validate(self, limits: Limits) -> None:
+    def __post_init__(self) -> None:
         summary = (self.finish_reason, self.spec, self.timing)
         if self.finished and None in summary:
             raise bad_request("a finished chunk needs 'finish_reason', 'spec' and 'timing'")
@@ -229,8 +206,7 @@ class TokenChunk:
 
 # --- prefill ---------------------------------------------------------------------------
 
-@dataclass(frozen=True, kw_only=True)
-class PrefillDispatch:
+class PrefillDispatch(Message):
     """Router -> prefill: run the prompt now; where its state goes follows in a PrefillTarget
     (sent once decode has reserved slots, while the prompt computes)."""
 
@@ -239,8 +215,7 @@ class PrefillDispatch:
     sampling: SamplingParams
 
 
-@dataclass(frozen=True, kw_only=True)
-class PrefillTarget:
+class PrefillTarget(Message):
     """Router -> prefill: WRITE the dispatched request's state into these reserved decode slots."""
 
     request_id: RequestId
@@ -249,8 +224,7 @@ class PrefillTarget:
     transfer_plan: dict  # PlanReply.plan
 
 
-@dataclass(frozen=True, kw_only=True)
-class PrefillDone:
+class PrefillDone(Message):
     """The reply to PrefillDispatch once the transfer is complete and decode was notified."""
 
     request_id: RequestId

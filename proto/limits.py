@@ -6,12 +6,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class Limits:
-    # --- wire: bounds on what the msgpack decoder will build from untrusted bytes ---
+    # --- wire: a message decodes only into its declared types, so its size bounds every length ---
     max_message_bytes: int = 1 << 20  # NATS' default max_payload; a larger server setting may raise it
-    max_str_bytes: int = 1 << 20  # one string (a long text prompt)
-    max_bin_bytes: int = 64 << 10  # one byte string (NIXL agent metadata is ~450 B)
-    max_array_len: int = 1 << 18  # one array (a 262k-token prompt)
-    max_map_len: int = 1 << 12  # one map (manifests, plans, allocations)
     max_depth: int = 16  # nesting of opaque maps/arrays (manifests, plans, allocations)
     # --- generate: what one request may ask for ---
     max_tokens: int = 4096  # completion tokens per request

@@ -1,33 +1,32 @@
 """Public messages: `baton.v1.generate` and `baton.v1.cancel` (documented in proto/README.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Literal
 
 from .errors import BatonError, ErrorCode, bad_request
-from .fields import Count, Millis, RequestId, Seed, TokenId
+from .fields import Count, Finite, Millis, RequestId, Seed, TokenId
 from .limits import Limits
+from .message import Message, Part
 
 FinishReason = Literal["length", "stop", "abort", "error"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class GenerateRequest:
+class GenerateRequest(Message):
     prompt: str | None = None  # exactly one of prompt / token_ids
     token_ids: list[TokenId] | None = None
     max_tokens: int = 128  # 1 .. Limits.max_tokens
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # 0 < top_p <= 1
+    temperature: Finite = 0.0  # 0 = greedy
+    top_p: Finite = 1.0  # 0 < top_p <= 1
     seed: Seed | None = None
     draft_tokens: int | None = None  # <= this many drafts per step (0: none); None: the deployment's K
     stream: bool = False
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[TokenId] = field(default_factory=list)
+    stop: list[str] = []
+    stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False  # generate past the end-of-text token (to max_tokens or another stop)
     min_tokens: int = 0  # 0 .. max_tokens: no stop token or stop string ends the request before this many tokens
-    presence_penalty: float = 0.0  # -2 .. 2: subtracted from a token's logit once it is in the output
-    frequency_penalty: float = 0.0  # -2 .. 2: subtracted per occurrence in the output
-    repetition_penalty: float = 1.0  # 0 < r <= 10: a token seen in prompt or output: logit / r (positive) or * r
+    presence_penalty: Finite = 0.0  # -2 .. 2: subtracted from a token's logit once it is in the output
+    frequency_penalty: Finite = 0.0  # -2 .. 2: subtracted per occurrence in the output
+    repetition_penalty: Finite = 1.0  # 0 < r <= 10: a token seen in prompt or output: logit / r (positive) or * r
     logprobs: int | None = None  # 0 .. 20: each generated token's logprob and this many most likely alternatives
     prompt_logprobs: int | None = None  # 0 .. 20: the same for the prompt's tokens (from its second on)
     request_id: RequestId | None = None  # chosen by the client so it can cancel; else the router picks
@@ -112,19 +111,18 @@ def check_draft_tokens(draft_tokens: int | None) -> None:
         raise bad_request(f"field 'draft_tokens': must be between 0 and {MAX_DRAFT_TOKENS}, got {draft_tokens}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Logprobs:
+class Logprobs(Part):
     """Log-probabilities of a run of tokens under the target model: the log-softmax of its raw
     logits (no temperature, no top-p), the same with speculation on or off. Position i: token
     token_ids[i] had logprob logprobs[i]; top_ids[i] / top_logprobs[i] are the most likely tokens
     there, most likely first (as many as the request asked for)."""
 
-    token_ids: list[TokenId] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_ids: list[list[TokenId]] = field(default_factory=list)
-    top_logprobs: list[list[float]] = field(default_factory=list)
+    token_ids: list[TokenId] = []
+    logprobs: list[Finite] = []
+    top_ids: list[list[TokenId]] = []
+    top_logprobs: list[list[Finite]] = []
 
-    def validate(self, limits: Limits) -> None:
+    def __post_init__(self) -> None:
         n = len(self.token_ids)
         if not len(self.logprobs) == len(self.top_ids) == len(self.top_logprobs) == n:
             raise bad_request(f"logprobs: {n} tokens need as many 'logprobs', 'top_ids' and 'top_logprobs'")
@@ -145,22 +143,20 @@ class Logprobs:
                         top_logprobs=self.top_logprobs[part])
 
 
-@dataclass(frozen=True, kw_only=True)
-class Usage:
+class Usage(Part):
     prompt_tokens: Count
     completion_tokens: Count
     cached_tokens: Count = 0  # of the prompt's tokens, those prefill took from its prefix cache
 
 
-@dataclass(frozen=True, kw_only=True)
-class SpecStats:
+class SpecStats(Part):
     """Speculative decoding counters; all zero when speculation is off."""
 
     verify_steps: Count = 0  # target forwards that verified drafts
     drafted: Count = 0  # draft tokens proposed
     accepted: Count = 0  # draft tokens accepted
 
-    def validate(self, limits: Limits) -> None:
+    def __post_init__(self) -> None:
         if self.accepted > self.drafted:
             raise bad_request(f"field 'accepted': {self.accepted} exceeds drafted ({self.drafted})")
 
@@ -170,14 +166,12 @@ class SpecStats:
         return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
 
 
-@dataclass(frozen=True, kw_only=True)
-class Timing:
+class Timing(Part):
     ttft_ms: Millis  # request received -> first token
     total_ms: Millis  # request received -> last token
 
 
-@dataclass(frozen=True, kw_only=True)
-class GenerateReply:
+class GenerateReply(Message):
     """The one reply to a non-streaming generate."""
 
     request_id: RequestId
@@ -192,8 +186,7 @@ class GenerateReply:
     prompt_token_ids: list[TokenId] | None = None  # the whole prompt, with prompt_logprobs
 
 
-@dataclass(frozen=True, kw_only=True)
-class StreamChunk:
+class StreamChunk(Message):
     """One message of a streaming generate; the last has finished=True and the summary fields."""
 
     request_id: RequestId
@@ -208,7 +201,7 @@ class StreamChunk:
     prompt_logprobs: Logprobs | None = None  # on the first chunk with tokens, when the request asked for them
     prompt_token_ids: list[TokenId] | None = None  # the whole prompt, with prompt_logprobs
 
-    def validate(self, limits: Limits) -> None:
+    def __post_init__(self) -> None:
         summary = (self.finish_reason, self.usage, self.spec, self.timing)
         if self.finished and None in summary:
             raise bad_request("a finished chunk needs 'finish_reason', 'usage', 'spec' and 'timing'")
@@ -216,12 +209,10 @@ class StreamChunk:
             raise bad_request("summary fields are only allowed on the finished chunk")
 
 
-@dataclass(frozen=True, kw_only=True)
-class CancelRequest:
+class CancelRequest(Message):
     request_id: RequestId
 
 
-@dataclass(frozen=True, kw_only=True)
-class CancelReply:
+class CancelReply(Message):
     request_id: RequestId
     cancelled: bool  # False: unknown or already finished (not an error)

@@ -1,160 +1,148 @@
-"""Plain data (what msgpack yields) <-> message dataclasses, checking every field's type.
+"""msgspec's refusals turned into Baton's `bad_request` messages, and the check of opaque maps.
 
-Field annotations are the schema. Understood: bool, int, float (finite), str, bytes, dict (opaque
-plain data, depth-bounded), list[T], T | None, Literal[...], Enum subclasses, nested message
-dataclasses, and `Annotated[int | str, Range | Match]` for static ranges and patterns. After the
-types check out, a message's `validate(limits)` method (if any) checks rules across fields.
+Every message is a `Message` (message.py): a frozen msgspec Struct whose field annotations are the schema
+(types, `Meta` ranges and patterns, Literals, nested messages). msgspec decodes msgpack into it
+and checks every field in C, refusing unknown and missing fields; rules across fields live in the
+message's `__post_init__` (run on every decode and construction) or, where they depend on the
+process's `Limits`, in its `validate(limits)`. `refusal` rewrites msgspec's error into the field
+path and wording Baton's clients see ("field 'capacity.total_pages': must be between 0 and ...").
 """
 from __future__ import annotations
 
 import math
 import re
+import sys
 import types
-from dataclasses import MISSING, dataclass, fields, is_dataclass
 from enum import Enum
 from functools import cache
-from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from .errors import bad_request
-from .limits import Limits
+import msgspec
 
+from .errors import BatonError, bad_request
+from .message import VERSION
 
-@dataclass(frozen=True)
-class Range:
-    """Inclusive bounds for a number field: `Annotated[int, Range(0, 2**31 - 1)]`."""
+MAX_FLOAT = sys.float_info.max  # `Meta` bounds must be finite: ±MAX_FLOAT is "any finite float"
 
-    low: float
-    high: float
-
-
-@dataclass(frozen=True)
-class Match:
-    """A full-match regular expression for a str field."""
-
-    pattern: str
-
-
-def to_plain(message: Any) -> Any:
-    """A message dataclass as nested plain maps; lists of scalars and opaque dicts pass through."""
-    if is_dataclass(message):
-        return {f.name: to_plain(getattr(message, f.name)) for f in fields(message)}
-    if isinstance(message, list) and message and is_dataclass(message[0]):
-        return [to_plain(item) for item in message]
-    return message
-
-
-def from_plain(cls: type, data: Any, limits: Limits, path: str = "") -> Any:
-    """Build `cls` from a decoded map, or raise BatonError(bad_request) naming the bad field."""
-    if not isinstance(data, dict):
-        raise bad_request(f"{_name(path, cls.__name__)}: expected a map, got {_type(data)}")
-    schema = _schema(cls)
-    for key in data:
-        if key not in schema:
-            raise bad_request(f"unknown field '{path}{key}' in {cls.__name__}")
-    values = {}
-    for name, (hint, required) in schema.items():
-        if name in data:
-            values[name] = _convert(hint, data[name], f"{path}{name}", limits)
-        elif required:
-            raise bad_request(f"missing field '{path}{name}' in {cls.__name__}")
-    message = cls(**values)
-    if hasattr(message, "validate"):
-        message.validate(limits)
-    return message
 
 
 @cache
-def _schema(cls: type) -> dict[str, tuple[Any, bool]]:
-    hints = get_type_hints(cls, include_extras=True)
-    return {f.name: (hints[f.name], f.default is MISSING and f.default_factory is MISSING)
-            for f in fields(cls)}
+def opaque_fields(cls: type) -> tuple[str, ...]:
+    """A message's `dict` fields: plain data of another library, checked by `check_plain`."""
+    return tuple(f.name for f in msgspec.structs.fields(cls) if _unwrap(f.type) is dict)
 
 
-def _convert(hint: Any, value: Any, path: str, limits: Limits) -> Any:
-    origin = get_origin(hint)
-    if origin is Annotated:
-        base, *rules = get_args(hint)
-        value = _convert(base, value, path, limits)
-        for rule in rules:
-            if problem := _violation(rule, value):
-                raise bad_request(f"field '{path}': {problem}")
-        return value
-    if origin in (Union, types.UnionType):
-        options = [arg for arg in get_args(hint) if arg is not type(None)]
-        if value is None and len(options) < len(get_args(hint)):
-            return None
-        if len(options) != 1:
-            raise TypeError(f"unsupported union in message schema: {hint}")
-        return _convert(options[0], value, path, limits)
-    if origin is Literal:
-        if value not in get_args(hint):
-            raise bad_request(f"field '{path}': must be one of {list(get_args(hint))}, got {value!r}")
-        return value
-    if origin is list:
-        return _convert_list(get_args(hint)[0], value, path, limits)
-    if hint is dict:
-        if not isinstance(value, dict):
-            raise bad_request(f"field '{path}': expected a map, got {_type(value)}")
-        _check_plain(value, path, limits.max_depth)
-        return value
-    if isinstance(hint, type) and issubclass(hint, Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            allowed = [member.value for member in hint]
-            raise bad_request(f"field '{path}': must be one of {allowed}, got {value!r}") from None
-    if is_dataclass(hint):
-        return from_plain(hint, value, limits, f"{path}.")
-    return _convert_scalar(hint, value, path)
-
-
-def _convert_list(item: Any, value: Any, path: str, limits: Limits) -> list:
-    if not isinstance(value, list):
-        raise bad_request(f"field '{path}': expected a list, got {_type(value)}")
-    base, *rules = get_args(item) if get_origin(item) is Annotated else (item,)
-    if base is int and value and all(type(x) is int for x in value):  # fast path: token id lists
-        low, high = min(value), max(value)
-        if not any(_violation(rule, low) or _violation(rule, high) for rule in rules):
-            return value
-    return [_convert(item, x, f"{path}[{i}]", limits) for i, x in enumerate(value)]
-
-
-def _convert_scalar(hint: type, value: Any, path: str) -> Any:
-    if hint is float:
-        if type(value) not in (int, float):
-            raise bad_request(f"field '{path}': expected a number, got {_type(value)}")
-        if not math.isfinite(value):
-            raise bad_request(f"field '{path}': must be a finite number, got {value!r}")
-        return float(value)
-    if hint not in (bool, int, str, bytes):
-        raise TypeError(f"unsupported type in message schema: {hint}")
-    if type(value) is not hint:  # exact: a bool is not an int here
-        raise bad_request(f"field '{path}': expected {hint.__name__}, got {_type(value)}")
-    return value
-
-
-def _violation(rule: Any, value: Any) -> str | None:
-    if isinstance(rule, Range) and not rule.low <= value <= rule.high:
-        return f"must be between {rule.low} and {rule.high}, got {value!r}"
-    if isinstance(rule, Match) and not re.fullmatch(rule.pattern, value):
-        return f"must match {rule.pattern}, got {value[:80]!r}"
-    return None
-
-
-def _check_plain(value: Any, path: str, depth_left: int) -> None:
-    """Opaque data must be maps, lists and scalars only, nested at most `max_depth` deep."""
+def check_plain(value: Any, path: str, depth_left: int) -> None:
+    """Opaque data must be maps, lists and scalars only, nested at most `depth_left` deep."""
     if isinstance(value, (dict, list)):
         if depth_left == 0:
             raise bad_request(f"field '{path}': nested too deeply")
-        children = value.values() if isinstance(value, dict) else value
-        for child in children:
-            _check_plain(child, path, depth_left - 1)
+        for child in value.values() if isinstance(value, dict) else value:
+            check_plain(child, path, depth_left - 1)
     elif value is not None and type(value) not in (bool, int, float, str, bytes):
         raise bad_request(f"field '{path}': {_type(value)} is not plain data")
 
 
-def _name(path: str, default: str) -> str:
-    return f"field '{path.rstrip('.')}'" if path else default
+def refusal(error: msgspec.ValidationError, cls: type, plain: Any) -> BatonError:
+    """`error` for a map (`plain`, the message as plain data) that does not decode as `cls`."""
+    what, _, at = str(error).partition(" - at `")
+    path = at.rstrip("`").removeprefix("$").lstrip(".")
+    if "` in `" in at:  # "- at `key` in `$`": a map key that is not a string
+        return bad_request("cannot decode message: map keys must be strings")
+    if missing := re.fullmatch(r"Object missing required field `(.*)`", what):
+        name = _join(path, missing[1])
+        return bad_request("missing field 'v' (protocol version)" if name == "v" else f"missing field '{name}' in {cls.__name__}")
+    if unknown := re.fullmatch(r"Object contains unknown field `(.*)`", what):
+        return bad_request(f"unknown field '{_join(path, unknown[1])}' in {cls.__name__}")
+    if path == "v":
+        return bad_request(f"field 'v': unsupported protocol version {_at(plain, path)!r}; this service speaks v={VERSION}")
+    if expected := re.fullmatch(r"Expected `([^`]*)`, got `([^`]*)`", what):
+        return _wrong_type(path, expected[1], expected[2])
+    return bad_request(f"field '{path}': {_rule(_hint_at(cls, path), _at(plain, path)) or what}")
+
+
+def _wrong_type(path: str, expected: str, got: str) -> BatonError:
+    if got == "ext":
+        return bad_request("cannot decode message: extension types are not allowed")
+    got = {"None": "nil", "null": "nil", "array": "list", "object": "dict"}.get(got, got)
+    if not path:
+        return bad_request(f"a message must be a msgpack map, got {got}")
+    names = {"array": "a list", "object": "a map", "float": "a number"}
+    wanted = " or ".join(names.get(t, t) for t in expected.split(" | ") if t != "null")
+    return bad_request(f"field '{path}': expected {wanted}, got {got}")
+
+
+def _rule(hint: Any, value: Any) -> str | None:
+    """What a value broke: the range, pattern or choices its field's annotation declares."""
+    base, metas = _split(hint)
+    if get_origin(base) is Literal:
+        return f"must be one of {list(get_args(base))}, got {value!r}"
+    if isinstance(base, type) and issubclass(base, Enum):
+        return f"must be one of {[member.value for member in base]}, got {value!r}"
+    for meta in metas:
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number, got {value!r}"
+        if meta.pattern is not None:
+            return f"must match {meta.pattern}, got {str(value)[:80]!r}"
+        if meta.ge is not None or meta.le is not None:
+            return f"must be between {meta.ge} and {_bound(meta.le)}, got {value!r}"
+    return None
+
+
+def _hint_at(cls: type, path: str) -> Any:
+    """The annotation of the field at a path like "capacity.total_pages" or "token_ids[1]"."""
+    hint: Any = cls
+    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", path):
+        hint = _unwrap(hint)
+        if name:
+            by_name = {f.name: f.type for f in msgspec.structs.fields(hint)} if _is_struct(hint) else {}
+            hint = by_name.get(name)
+        else:
+            hint = get_args(hint)[0] if get_origin(hint) is list else None
+        if hint is None:
+            return None
+    return hint
+
+
+def _at(plain: Any, path: str) -> Any:
+    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", path):
+        try:
+            plain = plain[name] if name else plain[int(index)]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return plain
+
+
+def _split(hint: Any) -> tuple[Any, list[msgspec.Meta]]:
+    """`Annotated[T, Meta...] | None` -> (T, [Meta...])."""
+    hint = _strip_none(hint)
+    if get_origin(hint) is Annotated:
+        base, *rules = get_args(hint)
+        return _strip_none(base), [rule for rule in rules if isinstance(rule, msgspec.Meta)]
+    return hint, []
+
+
+def _unwrap(hint: Any) -> Any:
+    return _split(hint)[0]
+
+
+def _strip_none(hint: Any) -> Any:
+    if get_origin(hint) in (Union, types.UnionType):
+        options = [arg for arg in get_args(hint) if arg is not type(None)]
+        return options[0] if len(options) == 1 else hint
+    return hint
+
+
+def _is_struct(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, msgspec.Struct)
+
+
+def _bound(value: float | None) -> Any:
+    return math.inf if value is None or value == MAX_FLOAT else value
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
 
 
 def _type(value: Any) -> str:

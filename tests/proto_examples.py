@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import is_dataclass
 
 from baton.proto import errors, internal, public
 from baton.proto.errors import ErrorCode, ErrorDetail, ErrorReply
+from baton.proto.message import Part
 
 USAGE = public.Usage(prompt_tokens=6, completion_tokens=3)
 SPEC = public.SpecStats(verify_steps=2, drafted=6, accepted=1)
@@ -84,8 +84,8 @@ EXAMPLES = [
 
 
 def message_classes():
-    """Every message dataclass defined in proto/ (nested ones included)."""
+    """Every message type defined in proto/ (nested ones included)."""
     for module in (public, internal, errors):
-        for _, cls in inspect.getmembers(module, is_dataclass):
+        for _, cls in inspect.getmembers(module, lambda obj: isinstance(obj, type) and issubclass(obj, Part)):
             if cls.__module__ == module.__name__:
                 yield cls

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import fields
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from baton.proto import subjects
@@ -30,7 +30,7 @@ def test_every_message_and_field_is_documented():
     for cls in message_classes():
         if not re.search(rf"`{cls.__name__}\b", README):
             missing.append(cls.__name__)
-        missing += [f"{cls.__name__}.{f.name}" for f in fields(cls) if f.name not in README]
+        missing += [f"{cls.__name__}.{f.name}" for f in msgspec.structs.fields(cls) if f.name not in README]
     assert missing == []
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import copy
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from baton.proto.codec import decode, encode
 from baton.proto.errors import BatonError
-from baton.proto.schema import to_plain
 from proto_examples import EXAMPLES
 
 pytestmark = pytest.mark.unit
@@ -41,9 +41,9 @@ def test_random_bytes(data, cls):
 @given(example=st.sampled_from(EXAMPLES), choices=st.lists(st.integers(0, 30), min_size=1, max_size=4),
        new_key=st.text(max_size=8), value=plain)
 def test_one_field_at_any_depth_replaced_by_random_plain_data(example, choices, new_key, value):
-    # a copy: to_plain passes opaque dicts (a ReserveReply's allocation) through by reference, and
-    # mutating the shared example made the next test's encode() fail on its random contents
-    message = copy.deepcopy({"v": 1, **to_plain(example)})
+    # a copy: to_builtins passes opaque dicts (a ReserveReply's allocation) through by reference,
+    # and mutating the shared example made the next test's encode() fail on its random contents
+    message = copy.deepcopy(msgspec.to_builtins(example))
     node = message
     for choice in choices[:-1]:  # walk down through nested maps
         children = [key for key, child in node.items() if isinstance(child, dict)]

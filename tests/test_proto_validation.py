@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 
 from baton.proto import internal, public
@@ -87,8 +88,8 @@ def test_max_tokens_limit_is_configurable():
 @pytest.mark.parametrize("value", [None, 0, 1, 16])
 def test_draft_tokens_accepted_values(value):
     assert decode(pack(prompt="x", draft_tokens=value), public.GenerateRequest).draft_tokens == value
-    sampling = decode(pack(draft_tokens=value), internal.SamplingParams)
-    assert sampling.draft_tokens == value
+    dispatch = decode(pack(request_id="r", token_ids=[1], sampling={"draft_tokens": value}), internal.PrefillDispatch)
+    assert dispatch.sampling.draft_tokens == value
     assert decode(pack(prompt="x"), public.GenerateRequest).draft_tokens is None  # omitted: the deployment's K
 
 
@@ -125,13 +126,16 @@ def test_oversize_message_is_too_large():
     assert error.code is ErrorCode.TOO_LARGE and "limit is 1048576" in error.message
 
 
-def test_wire_limits_bound_strings_arrays_and_maps():
-    limits = Limits(max_str_bytes=10, max_array_len=10, max_map_len=20, max_bin_bytes=10)
-    assert refused(pack(prompt="x" * 11), public.GenerateRequest, limits).code is ErrorCode.BAD_REQUEST
-    assert refused(pack(token_ids=[1] * 11), public.GenerateRequest, limits).code is ErrorCode.BAD_REQUEST
-    assert refused(pack(**{f"k{i}": 0 for i in range(20)}), public.GenerateRequest, limits)
-    wide = encode(internal.WorkerRegistration(**{**REGISTRATION.__dict__, "nixl_metadata": b"x" * 11}))
-    assert refused(wide, internal.WorkerRegistration, limits).code is ErrorCode.BAD_REQUEST
+def test_limits_bound_what_one_message_can_make_the_receiver_build():
+    """A message decodes only into its declared types, so its size bounds every string and list;
+    the prompt's own limits and the agent metadata's bound are checked by name."""
+    small = Limits(max_message_bytes=64, max_prompt_chars=10, max_prompt_tokens=10)
+    assert refused(pack(prompt="x" * 60), public.GenerateRequest, small).code is ErrorCode.TOO_LARGE
+    assert "'prompt'" in refused(pack(prompt="x" * 11), public.GenerateRequest, small).message
+    assert "'token_ids'" in refused(pack(token_ids=[1] * 11), public.GenerateRequest, small).message
+    assert "unknown field 'k0'" in refused(pack(**{f"k{i}": 0 for i in range(20)}), public.GenerateRequest).message
+    wide = encode(msgspec.structs.replace(REGISTRATION, nixl_metadata=b"x" * (64 << 10 | 1)))
+    assert "'nixl_metadata'" in refused(wide, internal.WorkerRegistration).message
 
 
 def test_opaque_maps_are_depth_bounded():
@@ -186,7 +190,8 @@ def test_registration_rules(path, value, mentions):
                                "stream_subject": "_INBOX.x"}, "'draft_tokens'"),
     (internal.PrefillDispatch, {"request_id": "r", "token_ids": [1], "sampling": {"draft_tokens": -1}},
      "'draft_tokens'"),
-    (internal.SamplingParams, {"draft_tokens": "all"}, "'draft_tokens': expected int, got str"),
+    (internal.PrefillDispatch, {"request_id": "r", "token_ids": [1], "sampling": {"draft_tokens": "all"}},
+     "'sampling.draft_tokens': expected int, got str"),
     (internal.TokenChunk, {"request_id": "r", "seq": 0, "token_ids": [1], "finished": True},
      "a finished chunk needs"),
     (internal.TokenChunk, {"request_id": "r", "seq": 0, "token_ids": [1], "finish_reason": "stop"},

@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import time
 
+import msgspec
 import pytest
 
 from baton.proto import subjects
@@ -238,7 +239,7 @@ def test_an_instance_cannot_change_its_registration():
         async with registry() as (reg, bus):
             first = registration("decode-z")
             await bus.request(subjects.REGISTER, first, RegisterReply)
-            changed = WorkerRegistration(**{**first.__dict__, "nixl_metadata": b"garbage"})
+            changed = WorkerRegistration(**{**msgspec.structs.asdict(first), "nixl_metadata": b"garbage"})
             error = await refusal(bus, subjects.REGISTER, changed, RegisterReply)
             assert error.code is ErrorCode.BAD_REQUEST and "never changes" in error.message, error
             reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
@@ -267,7 +268,7 @@ def test_a_worker_whose_nixl_metadata_a_peer_could_not_use_is_refused_at_registr
                  ("regions are not memory its NIXL agent registered",)),
             ]
             for change, why in broken:
-                error = await refusal(bus, subjects.REGISTER, WorkerRegistration(**{**good.__dict__, **change}),
+                error = await refusal(bus, subjects.REGISTER, WorkerRegistration(**{**msgspec.structs.asdict(good), **change}),
                                       RegisterReply)
                 assert error.code is ErrorCode.BAD_REQUEST and any(w in error.message for w in why), (why, error)
                 assert "prefill prefill-m" in error.message, error

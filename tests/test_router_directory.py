@@ -1,7 +1,7 @@
 """The router's view of the cluster (pure logic: the registry's lookup answers are fed by hand)."""
 import asyncio
-from dataclasses import replace
 
+import msgspec
 import pytest
 
 from baton.proto import subjects
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 
 def info(worker_id: str, role: str) -> WorkerInfo:
-    return WorkerInfo(registration=replace(REGISTRATION, worker_id=worker_id, role=role), load=LOAD)
+    return WorkerInfo(registration=msgspec.structs.replace(REGISTRATION, worker_id=worker_id, role=role), load=LOAD)
 
 
 class Registry:

@@ -5,9 +5,9 @@ Retry-After, naming no worker); a cancelled waiting request never reaches a work
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -65,7 +65,7 @@ async def until_queued(cluster, n: int) -> None:
 def same(reply: GenerateReply) -> tuple:
     """What must not depend on how the request was served: the whole reply but its id, timing, spec
     and how many prompt tokens prefill found in its prefix cache (a repeated prompt finds them)."""
-    return reply.token_ids, reply.text, reply.finish_reason, replace(reply.usage, cached_tokens=0)
+    return reply.token_ids, reply.text, reply.finish_reason, msgspec.structs.replace(reply.usage, cached_tokens=0)
 
 
 class Blockers:

@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
+
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import MAX_DRAFT_TOKENS, MAX_LOGPROBS, GenerateReply, GenerateRequest, StreamChunk, Usage
 
@@ -292,8 +294,8 @@ def with_request_id(call: Call, request_id: str | None) -> Call:
     the request's own, and with several choices that id with the choice's index appended."""
     base = request_id or f"http-{call.id}"
     if len(call.requests) == 1:
-        return replace(call, requests=(replace(call.request, request_id=base),))
-    return replace(call, requests=tuple(replace(r, request_id=f"{base[:56]}-{k}") for k, r in enumerate(call.requests)))
+        return replace(call, requests=(msgspec.structs.replace(call.request, request_id=base),))
+    return replace(call, requests=tuple(msgspec.structs.replace(r, request_id=f"{base[:56]}-{k}") for k, r in enumerate(call.requests)))
 
 
 # --- answers ---------------------------------------------------------------------------------

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable
+
+import msgspec
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode, NotListening
@@ -75,11 +77,11 @@ def continued(sampling: SamplingParams, sent: int) -> SamplingParams:
     count the tokens sent as output, the prompt's logprobs (reported with the first tokens) are not
     asked for again, and a seeded request gets a seed of its own for the rest, so the continuation
     does not replay the random draws of its first tokens."""
-    sampling = replace(sampling, min_tokens=max(0, sampling.min_tokens - sent), prompt_logprobs=None,
+    sampling = msgspec.structs.replace(sampling, min_tokens=max(0, sampling.min_tokens - sent), prompt_logprobs=None,
                        output_in_prompt=sampling.output_in_prompt + sent)
     if sampling.seed is None:
         return sampling
-    return replace(sampling, seed=(sampling.seed * 0x9E3779B97F4A7C15 + sent) % (1 << 64))
+    return msgspec.structs.replace(sampling, seed=(sampling.seed * 0x9E3779B97F4A7C15 + sent) % (1 << 64))
 
 
 def plan_components(plan: dict) -> list[str]:

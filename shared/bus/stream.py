@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import fields
 from typing import Any, Callable, Generic, TypeVar
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -46,7 +46,7 @@ class ReplyStream(Generic[M]):
                  one_reply: bool = False, client: str = ""):
         """`one_reply`: the first reply ends it (Bus.request to an ACKNOWLEDGED subject). `client`:
         who the request is from (senders.py), named with receipts."""
-        if not one_reply and "finished" not in {f.name for f in fields(cls)}:
+        if not one_reply and "finished" not in {f.name for f in msgspec.structs.fields(cls)}:
             raise TypeError(f"{cls.__name__} has no 'finished' field to end a stream")
         self._one_reply, self._client = one_reply, client
         self._receipts = request[0] in subjects.ACKNOWLEDGED
