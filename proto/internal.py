@@ -97,7 +97,7 @@ class LookupRequest(Message):
     worker_id: WorkerId | None = None
 
 
-class WorkerInfo(Part):
+class WorkerInfo(Message):
     registration: WorkerRegistration
     load: WorkerLoad
 

@@ -1,83 +1,88 @@
-"""Plain-data codec for the KV messages: frozen dataclasses <-> msgpack maps (never pickle).
+"""Plain-data codec for the KV records: frozen dataclasses <-> msgpack maps, through msgspec (never pickle).
 
-`to_plain` turns a dataclass tree into dicts/lists/ints/strs; `from_plain(cls, data)` rebuilds
-it, checking every field against the dataclass's type hints, and raises `CodecError` with the
-path of the first bad field. Supported field types: int, float, str, bool, None, `X | None`,
-`tuple[X, ...]` and nested dataclasses.
+`to_plain` turns a record into dicts/lists/ints/strs; `from_plain(cls, data)` rebuilds it, msgspec
+checking every field's type in C, and refuses fields the record does not have, so that a record
+from a worker of another version is refused rather than half read. Problems raise `CodecError`
+with the path of the field ("Manifest.components[0].geometry.item_rows: expected int, got str").
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 import typing
 from typing import Any, TypeVar
 
-import msgpack
+import msgspec
 
 T = TypeVar("T")
 
 
 class CodecError(ValueError):
-    """Bytes or a map that do not decode into the expected message."""
+    """Bytes or a map that do not decode into the expected record."""
 
 
 def to_plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (tuple, list)):
-        return [to_plain(x) for x in obj]
-    return obj
+    """What the receiver of `pack(obj)` sees: maps, lists (tuples become lists), str, int, ..."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(obj))
 
 
-def from_plain(cls: type[T], data: Any, path: str = "") -> T:
-    return _decode(cls, data, path or cls.__name__)
+def from_plain(cls: type[T], data: Any) -> T:
+    try:
+        record = msgspec.convert(data, cls)
+    except msgspec.ValidationError as exc:
+        raise CodecError(_worded(cls, str(exc))) from None
+    _refuse_unknown_fields(cls, data, cls.__name__)
+    return record
 
 
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(to_plain(obj), use_bin_type=True)
+    return msgspec.msgpack.encode(obj)
 
 
 def unpack(cls: type[T], raw: bytes) -> T:
     try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise CodecError(f"{cls.__name__}: not a msgpack message: {exc}") from exc
+        data = msgspec.msgpack.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise CodecError(f"{cls.__name__}: not a msgpack message: {exc}") from None
     return from_plain(cls, data)
 
 
+def _worded(cls: type, error: str) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.a[0].b`" as "Cls.a[0].b: expected int, got str"."""
+    what, _, at = error.partition(" - at `")
+    where = cls.__name__ + at.rstrip("`").removeprefix("$")
+    if missing := re.fullmatch(r"Object missing required field `(.*)`", what):
+        return f"{where}: missing field '{missing[1]}'"
+    names = {"object": "a map", "array": "a list", "null": "nil"}
+    what = re.sub(r"`([^`]*)`", lambda m: names.get(m[1], m[1]), what)
+    return f"{where}: {what[:1].lower()}{what[1:]}"
+
+
+def _refuse_unknown_fields(cls: type, data: dict, path: str) -> None:
+    """msgspec ignores a dataclass's unknown fields: walk the (already type-checked) data for them."""
+    names, nested = _shape(cls)
+    if unknown := data.keys() - names:
+        raise CodecError(f"{path}: unknown field(s) {sorted(unknown)}")
+    for name, inner, many in nested:
+        value = data.get(name)
+        if value is None:
+            continue
+        for i, item in enumerate(value) if many else ((None, value),):
+            _refuse_unknown_fields(inner, item, f"{path}.{name}" + ("" if i is None else f"[{i}]"))
+
+
 @functools.cache
-def _fields(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
-    """A dataclass's resolved type hints and field names (resolving them is slow: done once)."""
-    return typing.get_type_hints(cls), frozenset(f.name for f in dataclasses.fields(cls))
-
-
-def _decode(tp: Any, data: Any, path: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(data, dict):
-            raise CodecError(f"{path}: expected a map, got {type(data).__name__}")
-        hints, names = _fields(tp)
-        unknown = set(data) - names
-        if unknown:
-            raise CodecError(f"{path}: unknown field(s) {sorted(unknown)}")
-        missing = [n for n in names if n not in data]
-        if missing:
-            raise CodecError(f"{path}: missing field(s) {sorted(missing)}")
-        return tp(**{n: _decode(hints[n], data[n], f"{path}.{n}") for n in names})
-    if origin in (typing.Union, types.UnionType):
-        if data is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _decode(inner[0], data, path)
-    if origin is tuple:
-        if not isinstance(data, (list, tuple)):
-            raise CodecError(f"{path}: expected a list, got {type(data).__name__}")
-        return tuple(_decode(args[0], x, f"{path}[{i}]") for i, x in enumerate(data))
-    if tp is float and isinstance(data, int) and not isinstance(data, bool):
-        return float(data)
-    if tp in (int, str, bool, float):
-        if type(data) is not tp:
-            raise CodecError(f"{path}: expected {tp.__name__}, got {type(data).__name__}")
-        return data
-    raise CodecError(f"{path}: unsupported field type {tp!r}")
+def _shape(cls: type) -> tuple[frozenset[str], tuple[tuple[str, type, bool], ...]]:
+    """A record's field names, and its fields that hold records: (name, record type, a tuple of them)."""
+    hints = typing.get_type_hints(cls)  # resolving them is slow: done once per record type
+    nested = []
+    for name, hint in hints.items():
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        many = typing.get_origin(hint) is tuple
+        inner = typing.get_args(hint)[0] if many else hint
+        if dataclasses.is_dataclass(inner):
+            nested.append((name, inner, many))
+    return frozenset(f.name for f in dataclasses.fields(cls)), tuple(nested)
