@@ -124,6 +124,17 @@ def _program_start(Q, QPOS, Hkv, Qlen, D, s_qb, s_qq, s_qh, s_pb, s_pq, GROUP: t
 
 
 @triton.jit
+def _attend_block(q, qpos, row_ok, kpos, k_ok, m_i, l_i, acc, K, k_row_off, V, v_row_off, d, d_ok, window,
+                  sm_scale_log2, WINDOWED: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One block of keys: K/V rows at K + k_row_off[n] / V + v_row_off[n] (this KV head's base
+    pointers), loaded and folded into the online softmax."""
+    k_t = tl.load(K + k_row_off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [BD, BN]
+    v = tl.load(V + v_row_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
+    ok = _pair_mask(qpos, row_ok, kpos, k_ok, window, WINDOWED)
+    return _online_softmax_step(q, k_t, v, ok, m_i, l_i, acc, sm_scale_log2, DOT_DTYPE)
+
+
+@triton.jit
 def _attend_cached(q, qpos, row_ok, q_lo, q_hi, m_i, l_i, acc, KC, VC, OROWS, OPOS, b, kvh,
                    lo, hi, D, window, sm_scale_log2, s_kcr, s_kch, s_vcr, s_vch, s_rb, s_rm,
                    s_ob, s_om, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -137,13 +148,9 @@ def _attend_cached(q, qpos, row_ok, q_lo, q_hi, m_i, l_i, acc, KC, VC, OROWS, OP
         k_ok, visible = _block_visible(kpos, q_lo, q_hi, window, WINDOWED)
         if visible:
             rows = tl.load(OROWS + b * s_rb + n * s_rm, mask=k_ok, other=0).to(tl.int64)  # [BN]
-            k_t = tl.load(KC + rows[None, :] * s_kcr + kvh * s_kch + d[:, None],
-                          mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [BD, BN]
-            v = tl.load(VC + rows[:, None] * s_vcr + kvh * s_vch + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
-            ok = _pair_mask(qpos, row_ok, kpos, k_ok, window, WINDOWED)
-            m_i, l_i, acc = _online_softmax_step(q, k_t, v, ok, m_i, l_i, acc, sm_scale_log2,
-                                                 DOT_DTYPE)
+            m_i, l_i, acc = _attend_block(q, qpos, row_ok, kpos, k_ok, m_i, l_i, acc, KC + kvh * s_kch,
+                                          rows * s_kcr, VC + kvh * s_vch, rows * s_vcr, d, d_ok, window,
+                                          sm_scale_log2, WINDOWED, DOT_DTYPE)
     return m_i, l_i, acc
 
 
@@ -160,13 +167,10 @@ def _attend_own(q, qpos, row_ok, q_lo, q_hi, m_i, l_i, acc, QPOS, KN, VN, b, kvh
         kpos = tl.load(QPOS + b * s_pb + j * s_pq, mask=j < Qlen, other=-1)  # [BN]
         k_ok, visible = _block_visible(kpos, q_lo, q_hi, window, WINDOWED)
         if visible:
-            k_t = tl.load(KN + b * s_knb + j[None, :] * s_knq + kvh * s_knh + d[:, None],
-                          mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [BD, BN]
-            v = tl.load(VN + b * s_vnb + j[:, None] * s_vnq + kvh * s_vnh + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
-            ok = _pair_mask(qpos, row_ok, kpos, k_ok, window, WINDOWED)
-            m_i, l_i, acc = _online_softmax_step(q, k_t, v, ok, m_i, l_i, acc, sm_scale_log2,
-                                                 DOT_DTYPE)
+            m_i, l_i, acc = _attend_block(q, qpos, row_ok, kpos, k_ok, m_i, l_i, acc,
+                                          KN + b * s_knb + kvh * s_knh, j * s_knq,
+                                          VN + b * s_vnb + kvh * s_vnh, j * s_vnq, d, d_ok, window,
+                                          sm_scale_log2, WINDOWED, DOT_DTYPE)
     return m_i, l_i, acc
 
 

@@ -51,11 +51,14 @@ def refusal(error: msgspec.ValidationError, cls: type, plain: Any) -> BatonError
         return bad_request("cannot decode message: map keys must be strings")
     if missing := re.fullmatch(r"Object missing required field `(.*)`", what):
         name = _join(path, missing[1])
-        return bad_request("missing field 'v' (protocol version)" if name == "v" else f"missing field '{name}' in {cls.__name__}")
+        if name == "v":
+            return bad_request("missing field 'v' (protocol version)")
+        return bad_request(f"missing field '{name}' in {cls.__name__}")
     if unknown := re.fullmatch(r"Object contains unknown field `(.*)`", what):
         return bad_request(f"unknown field '{_join(path, unknown[1])}' in {cls.__name__}")
     if path == "v":
-        return bad_request(f"field 'v': unsupported protocol version {_at(plain, path)!r}; this service speaks v={VERSION}")
+        version = _at(plain, path)
+        return bad_request(f"field 'v': unsupported protocol version {version!r}; this service speaks v={VERSION}")
     if expected := re.fullmatch(r"Expected `([^`]*)`, got `([^`]*)`", what):
         return _wrong_type(path, expected[1], expected[2])
     return bad_request(f"field '{path}': {_rule(_hint_at(cls, path), _at(plain, path)) or what}")

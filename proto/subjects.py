@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from .fields import ID_PATTERN
 
@@ -46,37 +47,20 @@ ROUTER_QUEUE = "baton-router"
 REGISTRY_QUEUE = "baton-registry"
 
 
-def decode_reserve(worker_id: str) -> str:
-    return f"{INTERNAL}.decode.{_checked(worker_id)}.reserve"
+def _per_worker(role: str, verb: str) -> Callable[[str], str]:
+    """The subject of one worker's endpoint, `baton.internal.v1.<role>.<worker_id>.<verb>`."""
+    def subject(worker_id: str) -> str:
+        if not isinstance(worker_id, str) or not re.fullmatch(ID_PATTERN, worker_id):
+            raise ValueError(f"worker id {worker_id!r} must match {ID_PATTERN}")
+        return f"{INTERNAL}.{role}.{worker_id}.{verb}"
+    subject.__name__ = f"{role}_{verb}"
+    return subject
 
 
-def decode_release(worker_id: str) -> str:
-    return f"{INTERNAL}.decode.{_checked(worker_id)}.release"
-
-
-def decode_prefixes(worker_id: str) -> str:
-    """PrefixQuery -> PrefixEvents (snapshot): the prompts the worker's turn cache holds."""
-    return f"{INTERNAL}.decode.{_checked(worker_id)}.prefixes"
-
-
-def prefill_dispatch(worker_id: str) -> str:
-    return f"{INTERNAL}.prefill.{_checked(worker_id)}.dispatch"
-
-
-def prefill_target(worker_id: str) -> str:
-    return f"{INTERNAL}.prefill.{_checked(worker_id)}.target"
-
-
-def prefill_release(worker_id: str) -> str:
-    return f"{INTERNAL}.prefill.{_checked(worker_id)}.release"
-
-
-def prefill_prefixes(worker_id: str) -> str:
-    """PrefixQuery -> PrefixEvents (snapshot): everything the worker's prefix cache holds."""
-    return f"{INTERNAL}.prefill.{_checked(worker_id)}.prefixes"
-
-
-def _checked(worker_id: str) -> str:
-    if not isinstance(worker_id, str) or not re.fullmatch(ID_PATTERN, worker_id):
-        raise ValueError(f"worker id {worker_id!r} must match {ID_PATTERN}")
-    return worker_id
+decode_reserve = _per_worker("decode", "reserve")
+decode_release = _per_worker("decode", "release")
+decode_prefixes = _per_worker("decode", "prefixes")  # PrefixQuery -> PrefixEvents snapshot: what its turn cache holds
+prefill_dispatch = _per_worker("prefill", "dispatch")
+prefill_target = _per_worker("prefill", "target")
+prefill_release = _per_worker("prefill", "release")
+prefill_prefixes = _per_worker("prefill", "prefixes")  # PrefixQuery -> PrefixEvents snapshot: its prefix cache
