@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import tempfile
 import time
 from pathlib import Path
@@ -13,11 +14,11 @@ import pytest
 import torch
 
 from baton.proto import subjects
+from baton.proto.codec import decode as decode_message
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.internal import LookupReply, LookupRequest
+from baton.proto.internal import Heartbeat, LookupReply, LookupRequest, WorkerInfo
 from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
-from baton.services.worker import HEARTBEAT_S
 from baton.up import Cluster, start_cluster, wait_http_ready, wait_ready
 
 
@@ -53,48 +54,113 @@ def print_logs(log_dir: str) -> None:
 
 
 async def until(condition, timeout_s: float, what: str, every_s: float = 0.2):
-    """`await condition()` again every `every_s` until it is truthy; returns it. AssertionError
-    naming `what` if that takes more than `timeout_s`."""
+    """`condition()` again every `every_s` until it is truthy; returns it. `condition` may be a
+    plain function or a coroutine function (it is awaited). AssertionError naming `what` if that
+    takes more than `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while not (result := await condition()):
+    while not (result := await _value(condition())):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s:g} s")
         await asyncio.sleep(every_s)
     return result
 
 
+async def _value(result):
+    return await result if inspect.isawaitable(result) else result
+
+
+def until_sync(condition, timeout_s: float, what: str, every_s: float = 0.2):
+    """`until` for code outside an event loop: `condition()` is a plain function, and the wait
+    blocks the calling thread."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(every_s)
+    return result
+
+
+async def done_within(awaitable, timeout_s: float, what: str):
+    """`await awaitable`; AssertionError naming `what` if it is not done within `timeout_s`. For a
+    bound that is the contract (an answer, not a hang), as a wait rather than a timed assertion."""
+    try:
+        async with asyncio.timeout(timeout_s) as scope:
+            return await awaitable
+    except TimeoutError:
+        if scope.expired():
+            raise AssertionError(f"{what}: not within {timeout_s:g} s") from None
+        raise
+
+
 async def worker_loads(url: str) -> dict[str, tuple]:
     """worker id -> (role, free pages, total pages, free slots, total slots, active, requests taken)."""
     async with await Bus.connect(url, "test-lookup") as bus:
         reply = await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)
-    return {w.registration.worker_id: (w.registration.role, w.load.free_pages, w.registration.capacity.total_pages,
-                                       w.load.free_slots, w.registration.capacity.total_slots, w.load.active_requests,
-                                       w.load.requests_total)
-            for w in reply.workers}
+    return {w.registration.worker_id: _load_row(w) for w in reply.workers}
+
+
+def _load_row(w: WorkerInfo) -> tuple:
+    return (w.registration.role, w.load.free_pages, w.registration.capacity.total_pages,
+            w.load.free_slots, w.registration.capacity.total_slots, w.load.active_requests,
+            w.load.requests_total)
 
 
 async def wait_all_free(url: str, timeout_s: float = 20.0, min_requests: int = 0) -> dict:
     """Until every worker reports all pages and slots free and the decode workers together report
-    at least `min_requests` requests taken. Heartbeats carry the loads; the first read waits until
-    they are newer than the call, so a stale "all free" cannot pass. A lookup that gets no answer
-    (a NATS route still recovering from a partition, a registry restarting) is asked again."""
+    at least `min_requests` requests taken. Heartbeats carry the loads, so what the registry holds
+    may be older than the call: every registered worker must also have sent a heartbeat since the
+    call (watched on the heartbeat subject) whose load is all free, so a stale "all free" cannot
+    pass. A lookup that gets no answer (a NATS route still recovering from a partition, a registry
+    restarting) is asked again. Returns the registry's loads, as `worker_loads` gives them."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    await asyncio.sleep(HEARTBEAT_S * 1.5)  # every load read from now on was sent after the work ended
+    beats: dict[tuple[str, str], Heartbeat] = {}  # (worker id, instance id) -> its latest heartbeat since the call
+
+    async def on_beat(msg) -> None:
+        with contextlib.suppress(BatonError):
+            beat = decode_message(msg.data, Heartbeat)
+            beats[beat.worker_id, beat.instance_id] = beat
+
+    def beat_free(worker: WorkerInfo) -> bool:
+        reg = worker.registration
+        beat = beats.get((reg.worker_id, reg.instance_id))
+        return (beat is not None and beat.load.free_pages == reg.capacity.total_pages
+                and beat.load.free_slots == reg.capacity.total_slots)
+
     loads: dict | BatonError = {}
-    while True:
-        try:
-            loads = await worker_loads(url)
-        except BatonError as exc:
-            if exc.code not in (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE):
-                raise
-            loads = exc
-        else:
-            taken = sum(v[6] for v in loads.values() if v[0] == "decode")
-            if taken >= min_requests and all(v[1] == v[2] and v[3] == v[4] for v in loads.values()):
-                return loads
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"capacity did not return to full: {loads}")
-        await asyncio.sleep(0.25)
+    async with await Bus.connect(url, "test-heartbeats") as watcher:
+        await watcher.subscribe(subjects.HEARTBEAT, on_beat)
+        while True:
+            try:
+                async with await Bus.connect(url, "test-lookup") as bus:
+                    workers = (await bus.request(subjects.LOOKUP, LookupRequest(), LookupReply)).workers
+            except BatonError as exc:
+                if exc.code not in (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE):
+                    raise
+                loads = exc
+            else:
+                loads = {w.registration.worker_id: _load_row(w) for w in workers}
+                taken = sum(v[6] for v in loads.values() if v[0] == "decode")
+                if (taken >= min_requests and all(v[1] == v[2] and v[3] == v[4] for v in loads.values())
+                        and all(beat_free(w) for w in workers)):
+                    return loads
+            if asyncio.get_running_loop().time() > deadline:
+                fresh = {wid: (b.load.free_pages, b.load.free_slots) for (wid, _), b in beats.items()}
+                raise AssertionError(f"capacity did not return to full: {loads}; heartbeats since the call "
+                                     f"(free pages, free slots): {fresh}")
+            await asyncio.sleep(0.25)
+
+
+def service_metric(cluster, role: str, name: str) -> float:
+    """The sample `name` (one without labels) summed over the live `role` services' /metrics."""
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    total = 0.0
+    for m in cluster.metrics:
+        if m["role"] == role:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{m['port']}/metrics", timeout=5).read().decode()
+            total += sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                         if s.name == name and not s.labels)
+    return total
 
 
 def window_prompts() -> list[list[int]]:

@@ -12,11 +12,11 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError
 from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest, SpecStats, StreamChunk
 from baton.services.aggregated.engine import AggregatedConfig
-from baton.services.aggregated.service import close_service, open_service
+from baton.services.aggregated.service import AggregatedService, close_service, open_service
 from baton.shared.bus import Bus, NatsServer
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.model.tokenizer import TextTokenizer
-from e2e_cluster import Reference, window_prompts
+from e2e_cluster import Reference, done_within, until, window_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -75,7 +75,7 @@ def test_greedy_equals_transformers_with_staggered_arrivals(nats_url, reference,
     async def run():
         async with aggregated(nats_url, spec=spec == "mtp") as (client, engine):
             async def one(delay: float, p: list[int]):
-                await asyncio.sleep(delay)
+                await asyncio.sleep(delay)  # the arrival schedule itself: staggered, not a wait for anything
                 return await client.request(subjects.GENERATE, GenerateRequest(token_ids=p, max_tokens=40),
                                             GenerateReply, timeout=300)
             replies = await asyncio.gather(*(one(0.15 * i, p) for i, p in enumerate(window_prompts())))
@@ -160,8 +160,7 @@ def test_full_engine_answers_busy_and_recovers(nats_url):
     async def run():
         async with aggregated(nats_url, num_slots=1) as (client, engine):
             long = asyncio.create_task(stream(client, token_ids=window_prompts()[0], max_tokens=200))
-            while not engine.running:
-                await asyncio.sleep(0.01)
+            await until(lambda: engine.running, 60, "the long request running", every_s=0.01)
             with pytest.raises(BatonError) as info:
                 await client.request(subjects.GENERATE, GenerateRequest(prompt="hello", max_tokens=4),
                                      GenerateReply, timeout=30)
@@ -220,12 +219,21 @@ def test_config_from_serve_options():
         AggregatedConfig(draft_state="teleport")
 
 
-def test_serve_entry_takes_serve_options_and_stops_cleanly(nats_url):
+def test_serve_entry_takes_serve_options_and_stops_cleanly(nats_url, monkeypatch):
     """`serve(stop, bus, args)` as `baton serve aggregated` calls it: options from argparse
     (unset ones None), a request in flight when stop is set still completes."""
     from baton.services.aggregated.service import serve
     args = argparse.Namespace(model=DEFAULT_MODEL_DIR, spec="off", draft_tokens=None, draft_state=None,
                               kv_mode=None, num_pages=256, page_size=None, num_slots=4, max_batch=None, threads=1)
+
+    opened = asyncio.Event()  # the service opened the request's flow: it is in flight
+    open_flow = AggregatedService._open_flow
+
+    async def opening(self, *flow_args):
+        flow = await open_flow(self, *flow_args)
+        opened.set()
+        return flow
+    monkeypatch.setattr(AggregatedService, "_open_flow", opening)
 
     async def run():
         stop = asyncio.Event()
@@ -233,11 +241,11 @@ def test_serve_entry_takes_serve_options_and_stops_cleanly(nats_url):
         task = asyncio.create_task(serve(stop, bus, args))
         client = await Bus.connect(nats_url, "test-client")
         try:
-            while not bus.endpoints:
-                await asyncio.sleep(0.02)
+            await until(lambda: bus.endpoints, 300, "the service serving", every_s=0.02)
             pending = asyncio.create_task(client.request(
                 subjects.GENERATE, GenerateRequest(token_ids=window_prompts()[0], max_tokens=64), GenerateReply, timeout=60))
-            await asyncio.sleep(0.2)
+            await done_within(opened.wait(), 30, "the request in flight in the service")
+            assert not pending.done()
             stop.set()
             reply = await pending
             await asyncio.wait_for(task, 30)

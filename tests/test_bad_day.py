@@ -17,8 +17,8 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import LookupReply, LookupRequest, WorkerEvent
 from baton.proto.public import GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
-from e2e_cluster import wait_all_free
-from test_up_supervision import LOADED, baton_up, busy_loops, children, prompts, wait_async
+from e2e_cluster import until, wait_all_free
+from test_up_supervision import LOADED, baton_up, busy_loops, children, prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 MAX_TOKENS = 96
@@ -96,11 +96,11 @@ def test_nats_server_killed_and_restarted_mid_load_answers_every_request(tmp_pat
                 before = await references(bus, batch)
                 done: list = []
                 during = asyncio.create_task(load(bus, batch, 120, done))
-                await wait_async(lambda: _at_least(done, 2 * IN_FLIGHT), 300, "load flowing")
+                await until(lambda: _at_least(done, 2 * IN_FLIGHT), 300, "load flowing")
                 os.kill(pid_of(up, "nats-server"), signal.SIGKILL)
                 await asyncio.to_thread(up.wait_for, "nats-server restarted", 30)
                 await during
-                await wait_async(lambda: _roles_back(bus), 60, "both workers registered again")
+                await until(lambda: _roles_back(bus), 60, "both workers registered again")
                 after = await asyncio.gather(*(reply(bus, p, stream=s) for p in batch for s in (False, True)))
                 await wait_all_free(up.nats_url, timeout_s=60)
                 return before, done, after
@@ -141,7 +141,7 @@ def test_the_only_worker_of_a_role_stopped_15_s_fails_no_request(tmp_path, role,
                 workers, left = await registered(bus), await left_events(bus)
                 done: list = []
                 during = asyncio.create_task(load(bus, batch, 48, done))
-                await wait_async(lambda: _at_least(done, IN_FLIGHT), 300, "load flowing")
+                await until(lambda: _at_least(done, IN_FLIGHT), 300, "load flowing")
                 worker = pid_of(up, f"serve {role}")
                 os.kill(worker, signal.SIGSTOP)
                 try:  # requests that arrive during the stall, beyond the 8 in flight
@@ -173,7 +173,7 @@ def test_requests_wait_for_the_only_decode_to_come_back_after_a_kill(tmp_path, b
                 before = await references(bus, batch)
                 done: list = []
                 during = asyncio.create_task(load(bus, batch, 32, done))
-                await wait_async(lambda: _at_least(done, IN_FLIGHT), 300, "load flowing")
+                await until(lambda: _at_least(done, IN_FLIGHT), 300, "load flowing")
                 os.kill(pid_of(up, "serve decode"), signal.SIGKILL)
                 await during
                 await wait_all_free(up.nats_url, timeout_s=60)

@@ -112,7 +112,7 @@ def test_when_two_servers_take_a_request_the_client_keeps_to_the_replies_of_one(
                     async def streaming(request, ids=ids):
                         for chunk in chunks(ids):
                             yield chunk
-                            await asyncio.sleep(0.05)  # interleaved on the wire
+                            await asyncio.sleep(0.05)  # deliberate pacing: both routers' chunks interleave on the wire
                     await bus.serve(subjects.GENERATE, GenerateRequest, streaming)
                 for _ in range(3):
                     assert await streamed(client) in ([1, 2, 3], [7, 8, 9])
@@ -132,7 +132,7 @@ def test_a_router_gone_before_its_first_reply_is_noticed_through_the_receipt(str
 
                 async def never(request):
                     taken.set()
-                    await asyncio.sleep(3600)
+                    await asyncio.sleep(3600)  # a router that never answers: the thing tested
                     yield chunks([1])[0]
                 await router.serve(subjects.GENERATE, GenerateRequest, never)
                 call = asyncio.create_task(streamed(client) if stream else client.request(

@@ -14,6 +14,7 @@ from baton.proto.errors import BatonError, ErrorCode, ErrorReply
 from baton.proto.internal import PlanReply, PlanRequest
 from baton.proto.public import CancelReply, CancelRequest, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
+from e2e_cluster import done_within
 
 pytestmark = pytest.mark.integration
 
@@ -57,13 +58,25 @@ def test_a_responder_that_just_joined_is_waited_for_while_its_subscriptions_sett
     "no responders" within SETTLE_S of `joined_at` sends the request again."""
     async def scenario(url):
         async with await connected(url) as client, await connected(url) as worker:
-            async def subscribe_late():
-                await asyncio.sleep(0.5)
+            no_responders = asyncio.Event()  # the client was answered "no responders" (and may send again)
+            settling = client.settling
+
+            def observed(joined_at: float = 0.0):
+                check = settling(joined_at)
+
+                def settling_now() -> bool:
+                    no_responders.set()
+                    return check()
+                return settling_now
+            client.settling = observed
+
+            async def subscribe_late():  # only once the request found nobody there
+                await done_within(no_responders.wait(), 2, 'the request answered "no responders"')
                 await worker.serve(SUBJECT, CancelRequest, echo)
             late = asyncio.create_task(subscribe_late())
             reply = await client.request(SUBJECT, CancelRequest(request_id="r"), CancelReply, timeout=2,
                                          joined_at=time.monotonic())
-            assert reply.cancelled
+            assert reply.cancelled and no_responders.is_set()
             await late
             with pytest.raises(BatonError) as gone:  # long joined: no responders is unavailable at once
                 await client.request("test.bus.nobody", CancelRequest(request_id="r"), CancelReply, timeout=2,
@@ -84,6 +97,7 @@ def test_no_responders_is_unavailable(nats_server):
 def test_silence_is_timeout(nats_server):
     async def scenario(url):
         async with await connected(url) as bus:
+            # a handler that never answers in time: its silence (5 s) is the thing tested
             await bus.serve("test.bus.silent", CancelRequest, lambda request: asyncio.sleep(5))
             with pytest.raises(BatonError) as raised:
                 await bus.request("test.bus.silent", CancelRequest(request_id="r"), CancelReply, timeout=0.2)
@@ -92,12 +106,16 @@ def test_silence_is_timeout(nats_server):
     run(scenario, nats_server)
 
 
+PAUSED_TIMEOUT_S = 0.5  # the requests' deadline in the paused-process test
+
+
 async def unary(client: Bus):
-    return await client.request(SUBJECT, CancelRequest(request_id="p"), CancelReply, timeout=0.5)
+    return await client.request(SUBJECT, CancelRequest(request_id="p"), CancelReply, timeout=PAUSED_TIMEOUT_S)
 
 
 async def first_chunk(client: Bus):
-    async with client.stream_request(SUBJECT, GenerateRequest(prompt="x", stream=True), StreamChunk, 0.5) as chunks:
+    async with client.stream_request(SUBJECT, GenerateRequest(prompt="x", stream=True), StreamChunk,
+                                     PAUSED_TIMEOUT_S) as chunks:
         return await anext(chunks)
 
 
@@ -139,11 +157,13 @@ def test_a_reply_that_arrived_while_the_process_was_paused_is_not_reported_as_a_
     async def scenario(url):
         async with await connected(url) as client:
             asked = asyncio.create_task(ask(client))
-            sent_at = time.monotonic()
             assert await asyncio.to_thread(received.wait, 5)
+            received_at = time.monotonic()  # the request was sent, so its deadline running, by now
             paused.set()  # from here this loop is blocked, as in a stopped process
             assert replied.wait(5)
-            time.sleep(max(0.0, sent_at + 0.8 - time.monotonic()))  # the deadline passes while paused
+            # the pause itself, the thing tested: it lasts until the request's deadline has passed
+            # (PAUSED_TIMEOUT_S after it was sent, so before received_at + PAUSED_TIMEOUT_S), with a margin
+            time.sleep(max(0.0, received_at + PAUSED_TIMEOUT_S + 0.3 - time.monotonic()))
             assert await asyncio.wait_for(asked, 5) == PAUSED_REPLIES[ask]
     try:
         run(scenario, nats_server)

@@ -14,6 +14,7 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import CancelReply, CancelRequest, GenerateRequest
 from baton.shared.bus import Bus
 from baton.shared.bus.server import NatsServer
+from e2e_cluster import done_within, until
 from nats_proxy import SwallowingProxy
 from test_bus_stream import chunk, last_chunk
 
@@ -25,9 +26,8 @@ async def restarted(server: NatsServer, *buses: Bus) -> None:
     """Kill the server, start it again on its port, and wait until every bus is connected again."""
     os.kill(server.pid, signal.SIGKILL)
     await asyncio.to_thread(server.restart)
-    async with asyncio.timeout(30):
-        while not all(bus.connection.is_connected for bus in buses):
-            await asyncio.sleep(0.05)
+    await until(lambda: all(bus.connection.is_connected for bus in buses), 30, "every bus connected again",
+                every_s=0.05)
 
 
 def test_a_stream_in_flight_across_a_restart_ends_unavailable_on_both_sides():
@@ -64,19 +64,18 @@ def test_an_answer_sent_before_the_requester_is_back_reaches_it():
         with NatsServer() as server:
             async with await Bus.connect(server.url, "client", reconnect_wait_s=2.0) as client, \
                     await Bus.connect(server.url, "service", reconnect_wait_s=0.05) as service:
-                go = asyncio.Event()
+                reached, go = asyncio.Event(), asyncio.Event()
 
                 async def answer_when_told(request: CancelRequest) -> CancelReply:
+                    reached.set()
                     await go.wait()
                     return CancelReply(request_id=request.request_id, cancelled=True)
                 await service.serve(SUBJECT, CancelRequest, answer_when_told)
                 asked = asyncio.create_task(client.request(SUBJECT, CancelRequest(request_id="r1"), CancelReply, 30))
-                await asyncio.sleep(0.2)  # the request reached the service
+                await done_within(reached.wait(), 10, "the request reaching the service")
                 os.kill(server.pid, signal.SIGKILL)
                 await asyncio.to_thread(server.restart)
-                async with asyncio.timeout(30):
-                    while not service.connection.is_connected:
-                        await asyncio.sleep(0.01)
+                await until(lambda: service.connection.is_connected, 30, "the service connected again", every_s=0.01)
                 assert not client.connection.is_connected  # still waiting to reconnect
                 go.set()
                 assert (await asked).cancelled
@@ -92,9 +91,8 @@ def test_a_request_sent_while_the_server_is_down_is_served_once_the_service_is_b
                     return CancelReply(request_id=request.request_id, cancelled=False)
                 await service.serve(SUBJECT, CancelRequest, answer)
                 os.kill(server.pid, signal.SIGKILL)
-                async with asyncio.timeout(10):
-                    while client.connection.is_connected:
-                        await asyncio.sleep(0.01)
+                await until(lambda: not client.connection.is_connected, 10, "the client seeing the server gone",
+                            every_s=0.01)
                 asked = asyncio.create_task(client.request(SUBJECT, CancelRequest(request_id="r2"), CancelReply, 30))
                 await asyncio.to_thread(server.restart)  # the client is back first, the service up to 1 s later
                 assert (await asked).request_id == "r2"

@@ -29,7 +29,7 @@ from baton.shared.bus.server import free_port
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
-from e2e_cluster import Reference, worker_loads
+from e2e_cluster import Reference, until_sync, worker_loads
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,14 +46,6 @@ def run(*cmd: str, timeout: float = 300, env: dict | None = None) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout}{done.stderr}"
     return done.stdout
-
-
-def wait_until(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"{what} not within {timeout_s:g} s"
-        time.sleep(0.5)
-    return result
 
 
 class Stack:
@@ -124,7 +116,7 @@ def stack(request):
     failed_before = request.session.testsfailed
     try:
         s.compose("up", "-d", "--no-build", timeout=600)  # returns once the health-gated start order is through
-        wait_until(lambda: not s.not_healthy(), 300, "every container healthy")
+        until_sync(lambda: not s.not_healthy(), 300, "every container healthy", every_s=0.5)
         assert s.http_ready()
         yield s
     except BaseException:
@@ -190,7 +182,7 @@ def test_greedy_through_http_and_nats_equals_transformers(stack, tok, expected):
 def test_scale_decode_to_two_and_both_serve(stack, tok, expected):
     stack.compose("up", "-d", "--no-build", "--no-recreate", "--scale", "decode=2", timeout=600)
     assert len(stack.containers("decode")) == 2
-    wait_until(lambda: not stack.not_healthy(), 300, "the second decode healthy (registered)")
+    until_sync(lambda: not stack.not_healthy(), 300, "the second decode healthy (registered)", every_s=0.5)
     assert len(stack.decodes()) == 2
     batch = prompts(tok, 4)
     for _ in range(6):  # the router sends each request to the decode with the most free slots
@@ -229,10 +221,10 @@ def test_a_killed_decode_container_is_restarted_and_no_request_is_lost(stack, to
     def restarted() -> bool:
         state = stack.inspect(victim)
         return state["RestartCount"] > before["RestartCount"] and state["State"]["Running"]
-    wait_until(restarted, 120, "the killed decode container restarted")
-    wait_until(lambda: len(now := set(stack.decodes())) == 2 and len(now & old) == 1, 180,
-               "the restarted decode registered again (under a new id)")
-    wait_until(lambda: not stack.not_healthy(), 180, "every container healthy again")
+    until_sync(restarted, 120, "the killed decode container restarted", every_s=0.5)
+    until_sync(lambda: len(now := set(stack.decodes())) == 2 and len(now & old) == 1, 180,
+               "the restarted decode registered again (under a new id)", every_s=0.5)
+    until_sync(lambda: not stack.not_healthy(), 180, "every container healthy again", every_s=0.5)
 
     async def after():
         return await asyncio.gather(*(generate(stack.client_url, p, max_tokens, ignore_eos=True) for p in batch))

@@ -14,7 +14,7 @@ from baton.proto.internal import LookupReply, LookupRequest, WorkerEvent
 from baton.services.registry.service import BUCKET
 from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
-from e2e_cluster import Reference, running_cluster, wait_all_free
+from e2e_cluster import Reference, running_cluster, until, wait_all_free
 from test_faults import assert_exact, outcome, prompt
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -144,8 +144,8 @@ def test_a_registry_paused_for_15_s_drops_no_worker_and_fails_no_request(referen
     with running_cluster(prefill=1, decode=1) as cluster:
         registry = next(proc for role, proc in cluster.children if role == "registry")
 
-        async def rounds(bus: Bus, until: asyncio.Event, results: list) -> None:
-            while not until.is_set():
+        async def rounds(bus: Bus, stop: asyncio.Event, results: list) -> None:
+            while not stop.is_set():
                 results += await asyncio.gather(*(outcome(bus, p, 32) for p in prompts))
 
         async def run():
@@ -153,17 +153,18 @@ def test_a_registry_paused_for_15_s_drops_no_worker_and_fails_no_request(referen
                 before, events = await registered(bus), await worker_events(bus)
                 results, paused, resumed = [], asyncio.Event(), asyncio.Event()
                 during = asyncio.create_task(rounds(bus, paused, results))
-                await asyncio.sleep(1.0)  # load flowing before the pause
+                # load flowing before the pause: a round served, the next one in flight
+                await until(lambda: len(results) >= len(prompts), 120, "a first round served before the pause")
                 registry.send_signal(signal.SIGSTOP)
-                await asyncio.sleep(15.0)  # the fault: a 15 s pause
+                await asyncio.sleep(15.0)  # the fault itself: a 15 s pause (longer than a lease)
                 registry.send_signal(signal.SIGCONT)
                 paused.set()
                 await during
                 await registered(bus)  # the registry answers again
                 after_resume: list = []
                 sweeps = asyncio.create_task(rounds(bus, resumed, after_resume))
-                while len(after_resume) < 3 * len(prompts) * 2:  # >= 6 rounds served after the resume
-                    await asyncio.sleep(0.2)
+                await until(lambda: len(after_resume) >= 3 * len(prompts) * 2, 300,
+                            ">= 6 rounds served after the resume")
                 resumed.set()
                 await sweeps
                 return before, await registered(bus), events, results + after_resume

@@ -20,6 +20,7 @@ from baton.proto.public import (CancelReply, CancelRequest, GenerateReply, Gener
 from baton.services.http import server
 from baton.shared import config
 from baton.shared.bus import Bus
+from e2e_cluster import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 MODEL = "baton-tiny"
@@ -49,7 +50,7 @@ class ScriptedRouter:
 
     async def _unary(self, req: GenerateRequest, what: str) -> GenerateReply:
         if what == "hang":
-            await asyncio.sleep(60)
+            await asyncio.sleep(60)  # scripted: a router that does not answer (past the frontend's timeout)
         return GenerateReply(request_id=req.request_id, token_ids=[1, 2, 3], text="a b c", finish_reason="length",
                              usage=Usage(prompt_tokens=1, completion_tokens=3), spec=SpecStats(),
                              timing=Timing(ttft_ms=1.0, total_ms=2.0))
@@ -59,7 +60,7 @@ class ScriptedRouter:
             if req.request_id in self.cancelled:
                 break
             yield StreamChunk(request_id=req.request_id, token_ids=[i + 1], text=f" t{i}")
-            await asyncio.sleep(0.02 if what == "forever" else 0)
+            await asyncio.sleep(0.02 if what == "forever" else 0)  # scripted pacing of the chunks
             if what == "fail-midway":
                 raise BatonError(ErrorCode.INTERNAL, "scripted failure mid-stream")
         yield StreamChunk(request_id=req.request_id, token_ids=[], text="", finished=True, finish_reason="length",
@@ -167,13 +168,14 @@ def test_timeout_is_504_and_cancels_and_busy_is_429(nats_server):
         router = ScriptedRouter()
         async with frontend(nats_server, router, max_in_flight=1, request_timeout_s="1") as (_, client):
             hanging = asyncio.create_task(client.completions.create(model=MODEL, prompt="hang"))
-            await asyncio.sleep(0.3)
+            await until(lambda: len(router.requests) == 1, 10, "the hanging request taken by the router", every_s=0.02)
             status, body = await status_of(client.completions.create(model=MODEL, prompt="echo"))
             assert (status, body["code"]) == (429, "busy")  # the router's own admission control
             status, body = await status_of(hanging)
             assert (status, body["code"]) == (504, "timeout")
-            await asyncio.sleep(0.3)
-            assert router.requests[0].request_id in router.cancelled  # we gave up: the router is told
+            # we gave up: the router is told
+            await until(lambda: router.requests[0].request_id in router.cancelled, 10,
+                        "the router told to cancel the timed-out request", every_s=0.02)
     asyncio.run(run())
 
 

@@ -37,7 +37,7 @@ async def drive(url: str, prompts: list[list[int]]) -> collections.Counter:
             request = GenerateRequest(token_ids=rng.choice(prompts), max_tokens=rng.randint(1, 16), request_id=rid)
             call = asyncio.create_task(bus.request(subjects.GENERATE, request, GenerateReply, timeout=300))
             if rng.random() < 0.25:
-                await asyncio.sleep(rng.random() * 0.2)
+                await asyncio.sleep(rng.random() * 0.2)  # a random moment to cancel at: the load's design
                 await bus.request(subjects.CANCEL, CancelRequest(request_id=rid), CancelReply, timeout=10)
             try:
                 outcomes[(await call).finish_reason] += 1

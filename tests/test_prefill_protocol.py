@@ -3,7 +3,6 @@ and reserves decode slots at once, and sends the target (or a release) afterward
 never gets a target, or gets a release, or a reservation that fails, must never leave prefill
 holding slots; a bad target is refused with bad_request."""
 import asyncio
-import time
 
 import pytest
 
@@ -79,11 +78,11 @@ def test_dispatch_without_target_times_out_and_frees(cluster):
     async def run():
         async with await Bus.connect(cluster.nats_url, "test") as bus:
             worker = await worker_id(bus)
-            started = time.monotonic()
             got = await outcome(bus.request(subjects.prefill_dispatch(worker), dispatch("no-target"), PrefillDone,
                                             timeout=DEADLINE_S + 20))
             assert isinstance(got, BatonError) and got.code is ErrorCode.TIMEOUT, got
-            assert time.monotonic() - started >= DEADLINE_S - 0.5
+            # prefill's own transfer deadline ended it (not this request's timeout, nor anything sooner)
+            assert f"no target within {DEADLINE_S:g} s" in got.message, got
         await wait_all_free(cluster.nats_url)
     asyncio.run(run())
 

@@ -9,18 +9,13 @@ from baton.services.router.admission import AdmissionQueue
 from baton.services.router.flow import Flow, RouterTimeouts
 from baton.proto.internal import SamplingParams
 from baton.shared.metrics import ServiceMetrics
+from e2e_cluster import until
 
 pytestmark = pytest.mark.unit
 
 
 def queue(capacity: int | None = 1, max_queued: int = 2, max_queue_s: float = 30.0) -> AdmissionQueue:
     return AdmissionQueue(lambda: capacity, max_queued, max_queue_s, ServiceMetrics("router"))
-
-
-async def until(condition) -> None:
-    async with asyncio.timeout(5):
-        while not condition():
-            await asyncio.sleep(0)
 
 
 def test_requests_beyond_capacity_wait_and_are_admitted_first_in_first_out():
@@ -32,10 +27,11 @@ def test_requests_beyond_capacity_wait_and_are_admitted_first_in_first_out():
             assert await q.enter(rid)
             admitted.append(rid)
         waiters = [asyncio.create_task(wait(r)) for r in "bcd"]
-        await until(lambda: len(q.waiting) == 3)
+        await until(lambda: len(q.waiting) == 3, 5, "b, c and d waiting", every_s=0)
         for done in "abc":
             q.leave(done)
-            await until(lambda: len(admitted) == "abc".index(done) + 1)
+            await until(lambda: len(admitted) == "abc".index(done) + 1, 5, f"the next admitted after {done} left",
+                        every_s=0)
         await asyncio.gather(*waiters)
         assert admitted == ["b", "c", "d"] and q.metrics.queued._value.get() == 0
     asyncio.run(run())
@@ -46,7 +42,7 @@ def test_a_full_queue_answers_busy_at_once():
         q = queue(capacity=1, max_queued=1)
         await q.enter("a")
         waiter = asyncio.create_task(q.enter("b"))
-        await until(lambda: "b" in q.waiting)
+        await until(lambda: "b" in q.waiting, 5, "b waiting", every_s=0)
         with pytest.raises(BatonError) as full:
             await q.enter("c")
         assert full.value.code is ErrorCode.BUSY and "queue is full" in full.value.message
@@ -60,7 +56,7 @@ def test_a_cancelled_waiter_leaves_the_queue_at_once():
         q = queue(capacity=1)
         await q.enter("a")
         waiter = asyncio.create_task(q.enter("b"))
-        await until(lambda: "b" in q.waiting)
+        await until(lambda: "b" in q.waiting, 5, "b waiting", every_s=0)
         q.cancel("b")
         assert await waiter is False and not q.waiting
         q.leave("a")
@@ -84,7 +80,7 @@ def test_a_request_decode_refused_waits_first_in_line():
         await q.enter("a")
         await q.enter("b")
         later = asyncio.create_task(q.enter("c"))
-        await until(lambda: "c" in q.waiting)
+        await until(lambda: "c" in q.waiting, 5, "c waiting", every_s=0)
         q.refused("b")  # decode had no room after all: b goes before c
         assert list(q.waiting) == ["b", "c"]
         q.leave("a")

@@ -105,7 +105,7 @@ class SilentBus:
 
     async def request(self, subject, message, reply_cls, timeout, joined_at=None):
         self.asked.set()
-        await asyncio.sleep(timeout)
+        await asyncio.sleep(timeout)  # the silence itself: no reply within the timeout
         raise BatonError(ErrorCode.TIMEOUT, f"no reply from {subject} within {timeout} s")
 
 
@@ -203,7 +203,9 @@ def test_a_chunk_after_a_reconnect_restores_the_idle_timeout():
 
     async def run():
         task = asyncio.create_task(relay(f, ("chunk", chunk(0, [5])), ("reconnected", None), ("chunk", chunk(1, [6]))))
-        await asyncio.sleep(0.5)  # past reconnect_s: only the idle timeout may end it now
+        # the wait is the thing tested: past reconnect_s (0.2 s, a timer on this loop's clock that would
+        # fire first) nothing may end it now, only the idle timeout
+        await asyncio.sleep(0.5)
         assert not task.done()
         f.events.put_nowait(("chunk", chunk(2, [7], True)))
         return await task
@@ -338,7 +340,7 @@ class LateReplyingBus:
         self.delay_s = delay_s
 
     async def request(self, subject, message, reply_cls, timeout, joined_at=None):
-        await asyncio.sleep(self.delay_s)
+        await asyncio.sleep(self.delay_s)  # the late reply itself
         return PrefillDone(request_id="r", first_token_id=5, transfer_bytes=1, prefill_ms=1.0, transfer_ms=1.0,
                            cached_tokens=7)
 

@@ -11,8 +11,10 @@ import pytest
 
 from baton.proto.errors import BatonError, ErrorCode
 from baton.services.router.tokenize import FairTokenizer
+from e2e_cluster import until
 
 pytestmark = pytest.mark.unit
+POLL_S = 0.005  # the conditions are set by the tokenizer's thread: look again this often
 
 
 class GatedEncoder:
@@ -36,16 +38,10 @@ class GatedEncoder:
             self._gate.release()
 
 
-async def until(condition, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.005)
-
-
 async def tokenizing(tokenizer: FairTokenizer, encoder: GatedEncoder, client: str, prompt: str) -> asyncio.Task:
     """The one thread busy with `prompt` (the encoder holds it until released)."""
     task = asyncio.create_task(tokenizer.encode(client, prompt))
-    await until(lambda: encoder.started == [prompt])
+    await until(lambda: encoder.started == [prompt], 5, f"the encoder started on {prompt!r} alone", every_s=POLL_S)
     return task
 
 
@@ -58,12 +54,13 @@ def test_another_clients_prompt_goes_next_not_after_the_whole_backlog():
         encoder = GatedEncoder()
         tokenizer = FairTokenizer(encoder, threads=1)
         flood = [asyncio.create_task(tokenizer.encode("flood", f"f{i}")) for i in range(6)]
-        await until(lambda: encoder.started == ["f0"])
+        await until(lambda: encoder.started == ["f0"], 5, "the encoder started on f0 alone", every_s=POLL_S)
         small = asyncio.create_task(tokenizer.encode("other", "small"))
-        await until(lambda: tokenizer.waiting("other") == 1)
+        await until(lambda: tokenizer.waiting("other") == 1, 5, "one prompt of `other` waiting", every_s=POLL_S)
         encoder.release(2)
         assert await small == [5]
-        await until(lambda: len(encoder.started) == 3)  # the thread takes the next prompt after small's reply
+        # the thread takes the next prompt after small's reply
+        await until(lambda: len(encoder.started) == 3, 5, "a third prompt started", every_s=POLL_S)
         assert encoder.started == ["f0", "small", "f1"]
         encoder.release(5)
         assert await asyncio.gather(*flood) == [[2]] * 6
@@ -78,7 +75,8 @@ def test_clients_with_backlogs_alternate():
         tokenizer = FairTokenizer(encoder, threads=1)
         first = await tokenizing(tokenizer, encoder, "a", "a0")
         rest = [asyncio.create_task(tokenizer.encode(c, f"{c}{i}")) for c in "ab" for i in (1, 2, 3)]
-        await until(lambda: tokenizer.waiting("a") == 3 and tokenizer.waiting("b") == 3)
+        await until(lambda: tokenizer.waiting("a") == 3 and tokenizer.waiting("b") == 3, 5,
+                    "3 prompts of a and 3 of b waiting", every_s=POLL_S)
         encoder.release(7)
         await asyncio.gather(first, *rest)
         assert encoder.started == ["a0", "b1", "a1", "b2", "a2", "b3", "a3"]  # b had no turn yet
@@ -92,7 +90,7 @@ def test_a_client_with_too_many_prompts_waiting_is_busy_and_others_are_not():
         tokenizer = FairTokenizer(encoder, threads=1, max_waiting_per_client=2)
         running = await tokenizing(tokenizer, encoder, "a", "a0")
         waiting = [asyncio.create_task(tokenizer.encode("a", f"a{i}")) for i in (1, 2)]
-        await until(lambda: tokenizer.waiting("a") == 2)
+        await until(lambda: tokenizer.waiting("a") == 2, 5, "2 prompts of a waiting", every_s=POLL_S)
         with pytest.raises(BatonError) as refused:
             await tokenizer.encode("a", "a3")
         assert refused.value.code is ErrorCode.BUSY
@@ -110,7 +108,8 @@ def test_a_cancelled_prompt_is_skipped_and_an_encoder_error_reaches_its_caller()
         running = await tokenizing(tokenizer, encoder, "a", "a0")
         gone = asyncio.create_task(tokenizer.encode("b", "gone"))
         bad = asyncio.create_task(tokenizer.encode("c", "bad"))
-        await until(lambda: tokenizer.waiting("b") == 1 and tokenizer.waiting("c") == 1)
+        await until(lambda: tokenizer.waiting("b") == 1 and tokenizer.waiting("c") == 1, 5,
+                    "a prompt of b and one of c waiting", every_s=POLL_S)
         gone.cancel()
         encoder.release(2)
         assert await running == [2]

@@ -13,6 +13,7 @@ import pytest
 from baton.shared.transfer import (AUX_KEY, Descriptor, EventKind, Faults, PeerInfo, Region,
                                    TransferAgent, TransferStatus)
 from baton.shared.transfer.nixl_thread import NixlThread
+from e2e_cluster import until
 
 pytestmark = pytest.mark.integration
 
@@ -145,13 +146,16 @@ def test_cancelled_write_returns_only_when_nothing_is_in_flight():
         a, b, a_pools, b_pools = await pair()
         async with a, b:
             a.faults = Faults(delay_s=0.5)
+            stats = a.metrics.peer("b")
+            ended_before = stats.writes + stats.write_failures
             task = asyncio.create_task(a.write("b", PLAN, 7, 5.0))
-            await asyncio.sleep(0.1)
-            t0 = time.monotonic()
+            await until(lambda: 7 in a._sender._writes, 5, "the WRITE in flight (in its delay)", every_s=0)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert time.monotonic() - t0 > 0.3  # waited for the (uncancellable) delayed WRITE
+            # it waited for the (uncancellable) delayed WRITE: that WRITE had ended (counted, done or
+            # failed) and nothing was in flight any more when the cancel returned
+            assert stats.writes + stats.write_failures == ended_before + 1 and not a._sender._writes
             assert (b_pools.full[2 * ITEM:4 * ITEM] == a_pools.full[:2 * ITEM]).all()
 
     asyncio.run(main())
@@ -172,7 +176,7 @@ def test_write_in_flight_at_its_deadline_is_cancelled_and_reported(monkeypatch):
             await a.add_peer("b", b.metadata(), regions["b"])
             await b.add_peer("a", a.metadata(), regions["a"])
             b.arrivals.expect(8, "a", ["full"], 64, 10.0)
-            b._nixl.submit(lambda agent: time.sleep(1.0))
+            b._nixl.submit(lambda agent: time.sleep(1.0))  # the stall itself (b's NIXL thread busy 1 s)
             plan = [Descriptor("full", 0, 0, 0, size), Descriptor(AUX_KEY, 0, 0, 64, 64)]
             r = await a.write("b", plan, 8, 0.005)
             assert r.status is TransferStatus.FAILED and "deadline" in r.error and "CANCELLED" in r.error

@@ -26,7 +26,7 @@ from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.process import stop
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
-from e2e_cluster import print_logs, worker_loads
+from e2e_cluster import print_logs, until, until_sync, worker_loads
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 WORKER_FLAGS = ["--threads", "1", "--num-pages", "512", "--num-slots", "16"]
@@ -101,13 +101,6 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {timeout_s:g} s"
-        time.sleep(0.05)
-
-
 def prompts(count: int) -> list[list[int]]:
     tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
     return [heldout_prompts(tok, 1, 40, seed=seed)[0] for seed in range(count)]
@@ -126,14 +119,6 @@ async def answer(bus: Bus, prompt: list[int], max_tokens: int):
 
 async def decodes(url: str) -> dict[str, tuple]:
     return {wid: load for wid, load in (await worker_loads(url)).items() if load[0] == "decode"}
-
-
-async def wait_async(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (result := await condition()):
-        assert time.monotonic() < deadline, f"{what} not within {timeout_s:g} s"
-        await asyncio.sleep(0.2)
-    return result
 
 
 LOADED = pytest.mark.parametrize("busy", [0, 2], ids=["idle", "loaded"])
@@ -161,11 +146,11 @@ def test_one_of_two_decodes_killed_is_restarted_and_no_request_is_lost(tmp_path,
                 assert all(isinstance(r, tuple) for r in before), before
                 old = set(await decodes(up.nats_url))
                 during = [asyncio.create_task(answer(bus, p, 600)) for p in batch]
-                await wait_async(lambda: _all_active(up.nats_url), 60, "both decodes decoding")
+                await until(lambda: _all_active(up.nats_url), 60, "both decodes decoding")
                 os.kill(next(pid for pid, cmd in children(up.proc.pid).items() if "serve decode" in cmd), signal.SIGKILL)
                 started = time.monotonic()
                 assert await asyncio.gather(*during) == before  # whole replies, finish reasons too
-                await wait_async(lambda: _replaced(up.nats_url, old), 60, "the killed decode registered again")
+                await until(lambda: _replaced(up.nats_url, old), 60, "the killed decode registered again")
                 print(f"the killed decode was back {time.monotonic() - started:.1f} s after the kill")
                 assert await asyncio.gather(*(answer(bus, p, 600) for p in batch)) == before
         asyncio.run(run())
@@ -192,7 +177,8 @@ def test_sigkill_of_baton_up_leaves_no_process(tmp_path, busy):
         assert sum("baton serve" in cmd for cmd in kids.values()) == 4, kids
         os.kill(up.proc.pid, signal.SIGKILL)
         try:
-            wait_until(lambda: not any(alive(pid) for pid in kids), 30, f"every child of baton up gone: {kids}")
+            until_sync(lambda: not any(alive(pid) for pid in kids), 30, f"every child of baton up gone: {kids}",
+                       every_s=0.05)
         finally:  # what a failure left behind
             for pid in filter(alive, kids):
                 os.kill(pid, signal.SIGKILL)
@@ -216,4 +202,5 @@ def test_a_service_crashing_in_a_loop_is_given_up_on(tmp_path):
         assert len(killed) == 6, killed
         assert "giving up on decode-2: it exited 6 times within 60 s (last: signal SIGKILL)" in output, output
         assert "no decode left (given up on)" in output, output
-        wait_until(lambda: not any(alive(pid) for pid in seen), 30, f"every child of baton up gone: {seen}")
+        until_sync(lambda: not any(alive(pid) for pid in seen), 30, f"every child of baton up gone: {seen}",
+                   every_s=0.05)
