@@ -17,7 +17,7 @@ from .limits import DEFAULT_LIMITS, Limits
 from .message import VERSION, Message, Unversioned
 from .schema import check_plain, opaque_fields, refusal
 
-__all__ = ["VERSION", "decode", "decode_reply", "encode", "unpack"]
+__all__ = ["VERSION", "decode", "decode_reply", "encode"]
 
 M = TypeVar("M")
 
@@ -58,8 +58,8 @@ def decode_reply(data: bytes, cls: type[M], limits: Limits = DEFAULT_LIMITS) -> 
             raise not_cls from None
 
 
-def unpack(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Any:
-    """Bounded msgpack decoding of untrusted bytes into plain data (for error messages and tools)."""
+def _plain(data: bytes, limits: Limits) -> Any:
+    """The bytes as plain data, for the wording of a refusal (only a message msgspec refused gets here)."""
     _check_size(data, limits)
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, max_ext_len=0)
@@ -74,7 +74,7 @@ def _decode(data: bytes, cls: type[M], limits: Limits) -> M:
     try:
         return _decoder(cls).decode(data)
     except msgspec.ValidationError as exc:
-        raise refusal(exc, cls, unpack(data, limits)) from None
+        raise refusal(exc, cls, _plain(data, limits)) from None
     except RecursionError:
         raise bad_request("message is nested too deeply") from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:

@@ -25,7 +25,6 @@ from .message import VERSION
 MAX_FLOAT = sys.float_info.max  # `Meta` bounds must be finite: ±MAX_FLOAT is "any finite float"
 
 
-
 @cache
 def opaque_fields(cls: type) -> tuple[str, ...]:
     """A message's `dict` fields: plain data of another library, checked by `check_plain`."""
