@@ -3,11 +3,13 @@
     python bench/overhead.py --requests 40 --json out/overhead.json
 
 One run starts a real cluster (nats-server, registry, router, 1 prefill, 1 decode; NIXL), then:
-1. sends short requests one at a time; for each, the router's request log gives TTFT (request
-   received -> first token chunk) and prefill's own prefill compute and NIXL transfer times, so
-   control-plane overhead = TTFT - prefill compute - transfer (NATS hops, queueing, thread
-   hand-offs, the aux row read, the first chunk); "strict" subtracts the model compute alone and
-   the transfer as the receiver sees it (WRITE start -> decode notified) instead; next to it, measured in the same run on the same
+1. sends short requests one at a time (2 tokens each: prefill streams the first token ahead of
+   the transfer unless it is the only one); for each, the router's request log gives TTFT
+   (request received -> first token chunk) and prefill's own compute and NIXL transfer times, so
+   control-plane overhead = TTFT - prefill compute - the transfer if it was on the first token's
+   path (NATS hops, queueing, thread hand-offs, the first chunk); "strict" subtracts the model
+   compute alone (and the transfer as the receiver sees it, WRITE start -> decode notified, when
+   decode's copy of the first token came first); next to it, measured in the same run on the same
    server: a raw NATS request/reply round trip (back to back, one process) and one idle NATS hop
    between two processes (publish -> subscriber, the receiver asleep in between, as each hop of a
    lone request is). Every
@@ -134,7 +136,10 @@ HOPS = [
     ("NATS router -> prefill dispatch", ("router", "admit"), ("prefill", "received")),
     ("prefill: queue -> batch", ("prefill", "received"), ("prefill", "batched")),
     ("prefill: hop to engine thread", ("prefill", "batched"), ("prefill", "computing")),
-    ("prefill: compute (model)", ("prefill", "computing"), ("prefill", "computed")),
+    ("prefill: compute (model) to first token", ("prefill", "computing"), ("prefill", "sampled")),
+    ("prefill: first token to loop, published", ("prefill", "sampled"), ("prefill", "first_token")),
+    ("NATS prefill -> router first token", ("prefill", "first_token"), ("router", "first_chunk")),
+    ("prefill: compute (model), all of it", ("prefill", "computing"), ("prefill", "computed")),
     ("  meanwhile: router pick + plan", ("router", "admit"), ("router", "reserve")),
     ("  meanwhile: NATS router -> decode", ("router", "reserve"), ("decode", "reserve")),
     ("  meanwhile: decode allocates slots", ("decode", "reserve"), ("decode", "reserved")),
@@ -143,8 +148,7 @@ HOPS = [
     ("prefill: engine -> write task", ("prefill", "computed"), ("prefill", "write")),
     ("NIXL write (sender's view)", ("prefill", "write"), ("prefill", "written")),
     ("decode: notified after write start", ("prefill", "write"), ("decode", "arrived")),
-    ("decode: publish first token", ("decode", "arrived"), ("decode", "first_chunk")),
-    ("NATS decode -> router chunk", ("decode", "first_chunk"), ("router", "first_chunk")),
+    ("decode: publish first token (again)", ("decode", "arrived"), ("decode", "first_chunk")),
     ("TTFT at the router", ("router", "received"), ("router", "first_chunk")),
 ]
 
@@ -170,14 +174,25 @@ def hop_table(stamps: dict[str, dict[tuple[str, str], float]]) -> dict[str, dict
     return table
 
 
-def strict_overhead(stamps: dict[str, dict[tuple[str, str], float]]) -> list[float]:
-    """TTFT minus the model compute minus the data movement as the receiver sees it (WRITE start
-    -> decode notified): everything else, engine hand-offs included, counts as control plane."""
-    def span(at, start, end):
+def first_from_prefill(at: dict[tuple[str, str], float]) -> bool:
+    """Whether prefill's copy of the first token was published before decode's (the one relayed)."""
+    ahead = at.get(("prefill", "first_token"))
+    return ahead is not None and ahead <= at.get(("decode", "first_chunk"), float("inf"))
+
+
+def overheads(at: dict[tuple[str, str], float]) -> tuple[float, float]:
+    """(control plane, strict) for one request: TTFT minus prefill's compute from its batch start
+    (engine hand-off included), and minus the transfer when the first token came through decode;
+    strict: TTFT minus the model compute alone, and the data movement as the receiver sees it
+    (WRITE start -> decode notified) when it was on the path. Everything else counts."""
+    def span(start, end):
         return at[end] - at[start]
-    return [span(at, ("router", "received"), ("router", "first_chunk"))
-            - span(at, ("prefill", "computing"), ("prefill", "computed"))
-            - span(at, ("prefill", "write"), ("decode", "arrived")) for at in stamps.values()]
+    ttft = span(("router", "received"), ("router", "first_chunk"))
+    if first_from_prefill(at):
+        return (ttft - span(("prefill", "batched"), ("prefill", "sampled")),
+                ttft - span(("prefill", "computing"), ("prefill", "sampled")))
+    return (ttft - span(("prefill", "batched"), ("prefill", "computed")) - span(("prefill", "write"), ("prefill", "written")),
+            ttft - span(("prefill", "computing"), ("prefill", "computed")) - span(("prefill", "write"), ("decode", "arrived")))
 
 
 def plan_bytes(length: int, k: int = WorkerSection().draft_tokens) -> dict[str, int]:
@@ -199,6 +214,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=2, help="tokens per latency request (1: the first "
+                    "token comes through decode, after the transfer)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
@@ -214,7 +231,7 @@ def main() -> None:
         rtt = asyncio.run(nats_rtt(cluster.nats_url, 200))
         one_way = nats_one_way_idle(cluster.nats_url, 200)
         before = len(router_log(cluster.log_dir))
-        asyncio.run(send(cluster.nats_url, short, 1))
+        asyncio.run(send(cluster.nats_url, short, args.max_tokens))
         rows = router_log(cluster.log_dir)[before:]
         asyncio.run(send(cluster.nats_url, growing, 1))
         grow_rows = router_log(cluster.log_dir)[before + len(rows):]
@@ -222,14 +239,16 @@ def main() -> None:
     prefill = {r["request_id"]: r for r in request_log(log_dir, "prefill")}  # its own timing: the
     rows = [dict(r, prefill_ms=prefill[r["request_id"]]["prefill_ms"],  # router may finish before
                  transfer_ms=prefill[r["request_id"]]["transfer_ms"]) for r in rows]  # prefill's reply
-    overhead = [r["ttft_ms"] - r["prefill_ms"] - r["transfer_ms"] for r in rows]
     stamps = request_stamps(log_dir, {r["request_id"] for r in rows})
+    control, strict = zip(*(overheads(at) for at in stamps.values()))
     table = {name: {"p50": pct(v, 0.5), "p90": pct(v, 0.9), "mean": statistics.mean(v)} for name, v in (
         ("ttft_ms", [r["ttft_ms"] for r in rows]), ("prefill_ms", [r["prefill_ms"] for r in rows]),
-        ("transfer_ms", [r["transfer_ms"] for r in rows]), ("control_plane_ms", overhead),
-        ("control_plane_strict_ms", strict_overhead(stamps)),
+        ("transfer_ms", [r["transfer_ms"] for r in rows]), ("control_plane_ms", control),
+        ("control_plane_strict_ms", strict),
         ("nats_rtt_ms", rtt), ("nats_one_way_idle_ms", one_way))}
-    print(f"\n{args.requests} sequential requests, prompt {args.prompt_len} tokens, max_tokens 1")
+    ahead = sum(first_from_prefill(at) for at in stamps.values())
+    print(f"\n{args.requests} sequential requests, prompt {args.prompt_len} tokens, max_tokens {args.max_tokens}; "
+          f"first token from prefill ahead of the transfer in {ahead} of {len(stamps)}")
     print(f"{'':<24} {'p50':>8} {'p90':>8} {'mean':>8}")
     for name, v in table.items():
         print(f"{name:<24} {v['p50']:>8.2f} {v['p90']:>8.2f} {v['mean']:>8.2f}")
@@ -251,7 +270,8 @@ def main() -> None:
               f"{r['ttft_ms']:>8.2f} " + " ".join(f"{b:>16,}" for b in split.values()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"latency": table, "hops": hops, "requests": rows, "transfer_growth": growth}, indent=2))
+        args.json.write_text(json.dumps({"latency": table, "hops": hops, "first_token_from_prefill": ahead,
+                                         "max_tokens": args.max_tokens, "requests": rows, "transfer_growth": growth}, indent=2))
 
 
 if __name__ == "__main__":

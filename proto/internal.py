@@ -185,7 +185,9 @@ class ReleaseRequest(Message):
 
 class TokenChunk(Message):
     """Decode -> router on the request's stream subject; `seq` counts chunks from 0 so the
-    router notices a lost message. A failure is published there as an ErrorReply instead."""
+    router notices a lost message. A failure is published there as an ErrorReply instead.
+    Prefill may send the first token ahead of decode (`source` "prefill": seq 0, that one token,
+    as soon as it is sampled); decode's own chunk 0 then repeats it and the router keeps one."""
 
     request_id: RequestId
     seq: Count
@@ -195,8 +197,11 @@ class TokenChunk(Message):
     spec: SpecStats | None = None  # set when finished
     timing: Timing | None = None  # set when finished; measured on decode from reserve
     logprobs: Logprobs | None = None  # of token_ids, when the request asked for logprobs
+    source: Literal["decode", "prefill"] = "decode"
 
     def __post_init__(self) -> None:
+        if self.source == "prefill" and (self.seq or self.finished or len(self.token_ids) != 1 or self.logprobs):
+            raise bad_request("prefill's chunk is chunk 0 with the first token alone")
         summary = (self.finish_reason, self.spec, self.timing)
         if self.finished and None in summary:
             raise bad_request("a finished chunk needs 'finish_reason', 'spec' and 'timing'")
@@ -213,6 +218,8 @@ class PrefillDispatch(Message):
     request_id: RequestId
     token_ids: list[TokenId]
     sampling: SamplingParams
+    first_token_to: Subject | None = None  # publish the first token there as soon as it is sampled
+    # (a TokenChunk from "prefill"), before the state is written: the request's stream subject
 
 
 class PrefillTarget(Message):

@@ -179,6 +179,25 @@ def test_prefill_killed_before_its_transfer_is_retried(reference, monkeypatch):
         asyncio.run(run())
 
 
+def test_a_prefill_killed_after_it_streamed_the_first_token_continues_after_that_token(reference, monkeypatch):
+    """Prefill streams the first token ahead of the transfer: the client has it while the WRITE
+    still waits (5 s here). Killed then, prefill never writes the state; the request continues on
+    the other prefill after that one token, and the client's reply is whole and exact."""
+    monkeypatch.setenv("BATON_TRANSFER_FAULTS", "delay=5")
+    with running_cluster(prefill=2, decode=1) as cluster:
+        async def run():
+            async with await Bus.connect(cluster.nats_url, "test") as bus:
+                p = prompt(30, 90)
+                first = asyncio.Event()
+                task = asyncio.create_task(streamed(bus, p, 12, first))
+                await wait_decoding([first])  # the first token came, from prefill: its WRITE waits 5 s
+                kill(cluster, "prefill", await prefill_holding_requests(cluster))
+                return p, await task
+        p, reply = asyncio.run(run())
+        assert_exact(reference, p, reply, 12)
+        assert migrations(cluster) == [1]
+
+
 def test_registry_restart_keeps_requests_flowing(reference):
     with running_cluster(prefill=1, decode=1) as cluster:
         async def run():

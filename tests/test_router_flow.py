@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from baton.proto.errors import BatonError, ErrorCode, NotListening
-from baton.proto.internal import CachedPrefix, PrefillDone, PrefixEvents, SamplingParams, TokenChunk
+from baton.proto.internal import Ack, CachedPrefix, PrefillDone, PrefixEvents, SamplingParams, TokenChunk
 from baton.proto.public import Logprobs, SpecStats, Timing
 from baton.services.router.affinity import PrefixAffinity
 from baton.services.router.flow import AttemptLost, DecodeLost, Flow, NoCapacity, RouterTimeouts, continued
@@ -36,6 +36,91 @@ def test_a_prefill_failure_after_decode_started_does_not_end_the_stream():
     f = flow()
     got = asyncio.run(relay(f, ("chunk", chunk(0, [5])), ("prefill_error", LATE), ("chunk", chunk(1, [6], True))))
     assert got == [[5], [6]] and f.outcome.finish_reason == "length"
+
+
+def ahead(token: int) -> TokenChunk:
+    """Prefill's copy of the first token, sent as soon as it is sampled."""
+    return TokenChunk(request_id="r", seq=0, token_ids=[token], source="prefill")
+
+
+def test_the_first_token_from_prefill_is_relayed_once_and_decode_goes_on_after_it():
+    f = flow()
+    got = asyncio.run(relay(f, ("chunk", ahead(5)), ("chunk", chunk(0, [5])), ("chunk", chunk(1, [6, 7])),
+                            ("chunk", chunk(2, [8], True))))
+    assert got == [[5], [6, 7], [8]] and f.outcome.finish_reason == "length"
+
+
+def test_prefills_copy_of_the_first_token_after_decodes_is_dropped():
+    f = flow()
+    got = asyncio.run(relay(f, ("chunk", chunk(0, [5])), ("chunk", ahead(5)), ("chunk", chunk(1, [6], True))))
+    assert got == [[5], [6]] and f.outcome.finish_reason == "length"
+
+
+def test_a_first_token_decode_does_not_confirm_ends_the_request_with_an_internal_error():
+    with pytest.raises(BatonError) as raised:
+        asyncio.run(relay(flow(), ("chunk", ahead(5)), ("chunk", chunk(0, [9]))))
+    assert raised.value.code is ErrorCode.INTERNAL and "not prefill's [5]" in raised.value.message
+
+
+@pytest.mark.parametrize("kind", ["error", "prefill_error", "decode_lost"])
+def test_a_state_lost_after_only_prefills_first_token_was_sent_continues_after_it(kind):
+    """The first token reached the client, decode never streamed: the transfer failed, prefill
+    or decode is gone. The request continues elsewhere after that token (not from the start,
+    which with sampling could give the client a different first token)."""
+    with pytest.raises(DecodeLost) as lost:
+        asyncio.run(relay(flow(), ("chunk", ahead(5)), (kind, LATE)))
+    assert lost.value.error is LATE
+
+
+def test_decode_silent_after_prefills_first_token_is_decode_lost_at_the_idle_timeout():
+    with pytest.raises(DecodeLost) as lost:
+        asyncio.run(relay(flow(idle_s=0.05), ("chunk", ahead(5))))
+    assert lost.value.error.code is ErrorCode.TIMEOUT
+
+
+class Recorder:
+    """A bus that answers every request with an Ack and remembers what was asked."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, object]] = []
+
+    async def request(self, subject, message, reply_cls, timeout, joined_at=None):
+        self.sent.append((subject, message))
+        return Ack()
+
+
+def test_a_stop_string_in_prefills_first_token_ends_the_request_at_once_and_releases_decode():
+    """Decode has not streamed yet, so it has nothing to count: the flow does not wait for it."""
+    f = Flow(Recorder(), None, None, RouterTimeouts(first_token_s=60, idle_s=60), "r", [1, 2], 4, SamplingParams(),
+             None)
+    f.decode_id = "d"
+
+    async def run():
+        got = []
+        f.events.put_nowait(("chunk", ahead(5)))
+        async for ids, _ in f._relay():
+            got.append(ids)
+            f.stop()  # the router's TextStream matched a stop string in it
+        return got
+    assert asyncio.run(asyncio.wait_for(run(), 10)) == [[5]]
+    assert f.outcome.finish_reason == "stop"
+    (subject, release), = f.bus.sent
+    assert subject.endswith(".d.release") and release.finish_reason == "abort"
+
+
+@pytest.mark.parametrize("max_tokens, sampling, asked", [
+    (4, SamplingParams(), True),
+    (1, SamplingParams(), False),  # the only token: a transfer lost after it would leave nothing to continue
+    (4, SamplingParams(logprobs=2), False),  # decode computes its logprobs from the state
+    (4, SamplingParams(prompt_logprobs=1), False),
+])
+def test_prefill_is_asked_for_the_first_token_ahead_unless_it_is_the_only_one_or_logprobs_are_asked_for(
+        max_tokens, sampling, asked):
+    f = Flow(Recorder(), OneDecode(), None, RouterTimeouts(), "r", [1, 2], max_tokens, sampling, None)
+    f.stream_subject = "_INBOX.x.7"
+    asyncio.run(f._prefill("p"))
+    (subject, dispatch), = f.bus.sent
+    assert subject.endswith(".p.dispatch") and dispatch.first_token_to == ("_INBOX.x.7" if asked else None)
 
 
 def with_prompt_logprobs() -> Flow:

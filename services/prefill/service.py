@@ -22,7 +22,7 @@ import torch
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, PrefillDispatch, PrefillDone, PrefillTarget, PrefixEvents, PrefixQuery,
-                                  ReleaseRequest, WorkerLoad)
+                                  ReleaseRequest, TokenChunk, WorkerLoad)
 from baton.shared.bus import Bus
 from baton.shared.engine.runner import ModelRunner, PrefillOutput, SpecConfig
 from baton.shared.engine.sampling import SamplingParams
@@ -230,9 +230,7 @@ class PrefillWorker:
             prefill_ms = (time.monotonic() - started) * 1000
             self.metrics.prefill_seconds.observe(prefill_ms / 1000)
             for job, seq, out, staged in outputs:
-                task = asyncio.create_task(self._deliver(job, seq, out, staged, prefill_ms))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._own(self._deliver(job, seq, out, staged, prefill_ms))
             await self._publish_prefixes()
 
     def _compute(self, jobs: list[Job]) -> list[tuple[Job, Sequence, PrefillOutput, Staged]]:
@@ -256,6 +254,7 @@ class PrefillWorker:
                                        device=self.store.device)))
         starts = [h.start if h else 0 for h in hits]
         outputs = self.runner.prefill([s for _, s in seqs], starts, self._chunk_boundary(seqs, hits)) if seqs else []
+        self._stream_first_tokens([job for job, _ in seqs], outputs)
         for (job, seq), out, hit in zip(seqs, outputs, hits):
             self._cached(job, seq, out, hit)
         targets = [job.target for job, _ in seqs]  # set on the loop thread; read once here
@@ -267,6 +266,28 @@ class PrefillWorker:
             job.at.mark("computed")
         self.capacity = self.store.free_capacity()
         return results
+
+    def _stream_first_tokens(self, jobs: list[Job], outputs: list[PrefillOutput]) -> None:
+        """Engine thread: each first token the router asked for goes to the loop at once, ahead of
+        the draft windows, the aux rows and the WRITE (decode sends it again once the state landed)."""
+        for job, out in zip(jobs, outputs):
+            job.at.mark("sampled")
+            if job.dispatch.first_token_to is not None:
+                job.done.get_loop().call_soon_threadsafe(self._own, self._send_first_token(job, out.first_token))
+
+    def _own(self, coro) -> None:
+        """Loop: run `coro` as a task of this worker's (drained and awaited before it leaves)."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_first_token(self, job: Job, token: int) -> None:
+        try:
+            await self.bus.publish(job.dispatch.first_token_to, TokenChunk(
+                request_id=job.request_id, seq=0, token_ids=[token], source="prefill"))
+            job.at.mark("first_token")
+        except BatonError as exc:  # only the head start is lost: decode streams the token too
+            log.warning("request %s: first token not sent ahead of decode: %s", job.request_id, exc)
 
     def _allocate(self, d: PrefillDispatch) -> Hit | None:
         """Engine thread: the request's KV, from the longest cached prompt end it extends (not

@@ -338,7 +338,8 @@ class Flow:
     async def _prefill(self, prefill_id: str) -> None:
         try:
             done = await self.bus.request(subjects.prefill_dispatch(prefill_id), PrefillDispatch(
-                request_id=self.attempt_id, token_ids=self.token_ids, sampling=self.sampling), PrefillDone,
+                request_id=self.attempt_id, token_ids=self.token_ids, sampling=self.sampling,
+                first_token_to=self.stream_subject if self._first_token_ahead() else None), PrefillDone,
                 timeout=self.timeouts.first_token_s, joined_at=self.directory.joined_at(prefill_id))
             self._prefilled = True
             self.at.mark("prefill_reply")
@@ -348,6 +349,12 @@ class Flow:
             self.events.put_nowait(("prefill_error", exc))
         finally:
             self._unhold(prefill_id)
+
+    def _first_token_ahead(self) -> bool:
+        """Prefill streams the first token as soon as it is sampled, ahead of the transfer, unless
+        its logprobs are asked for (decode computes them from the state it receives) or it is the
+        only token (a transfer that failed after it would leave nothing to continue)."""
+        return self.max_tokens > 1 and self.sampling.logprobs is None and self.sampling.prompt_logprobs is None
 
     async def _target(self, reservation: ReserveReply, plan: dict) -> None:
         """Tell prefill where to WRITE the state it is computing; a failure, or a worker of the
@@ -391,8 +398,13 @@ class Flow:
     async def _relay(self) -> AsyncIterator[tuple[list[int], Logprobs | None]]:
         """Chunks arrive in order (`seq` checked); those that come before prefill's reply when the
         prompt's logprobs (in that reply) are asked for are held until it arrives: nothing reaches
-        the client before them."""
+        the client before them. The first token may come twice, from prefill ahead of the transfer
+        and from decode once the state landed: the first to come is relayed. Until decode's own
+        chunks come, the state may still be lost with only that token sent: the request then
+        continues after it elsewhere (DecodeLost)."""
         started, got_first, expected_seq, stopping = time.monotonic(), False, 0, False
+        decoding = False  # decode's chunks have come: it holds the whole state
+        ahead: list[int] | None = None  # the first token as prefill sent it, before decode's chunks
         held: list[TokenChunk] = []
         suspect = False  # since the last reconnect nothing came: what we wait for may have been lost
         while True:
@@ -416,11 +428,16 @@ class Flow:
             if kind == "cancel":
                 self.outcome.finish_reason = "abort"
                 return
+            if kind == "stop" and not decoding:  # prefill's first token matched: decode has nothing to count
+                await self._release("stop string")
+                self.outcome.finish_reason = "stop"
+                await self._prefill_reply()
+                return
             if kind == "stop":  # wait for decode's last chunk, with the counts; tokens after it are dropped
                 stopping = True
                 await self._release("stop string", "stop")
                 continue
-            if kind == "prefill_error" and got_first:
+            if kind == "prefill_error" and decoding:
                 # Decode streams only once every WRITE notified and the aux tag matched: it holds
                 # the whole state, so a late sender-side failure (e.g. a completion it never saw)
                 # does not concern this request.
@@ -431,6 +448,8 @@ class Flow:
                 raise DecodeLost(value)
             if kind in ("error", "prefill_error", "decode_lost"):
                 gone = self.prefill_id if kind == "prefill_error" and isinstance(value, NotListening) else None
+                if got_first and not decoding:  # only prefill's first token reached the client
+                    raise DecodeLost(value, gone)
                 raise value if got_first else AttemptLost(value, gone)
             ready: list[TokenChunk] = []
             if kind == "prefilled" and self._awaits_prompt_logprobs():
@@ -441,11 +460,22 @@ class Flow:
             elif kind == "chunk":
                 ready = [value]
             for chunk in ready:
+                if chunk.source == "prefill" and expected_seq:  # decode's copy came first
+                    continue
+                if chunk.source == "decode" and not decoding:
+                    decoding = True
+                    if ahead is not None and chunk.seq == 0:  # prefill's copy came first
+                        if chunk.token_ids != ahead:
+                            raise BatonError(ErrorCode.INTERNAL, f"request {self.request_id}: decode's first "
+                                             f"token {chunk.token_ids} is not prefill's {ahead}")
+                        continue
                 if chunk.seq != expected_seq:  # e.g. NATS restarted: continue after what the client has
                     lost = BatonError(ErrorCode.UNAVAILABLE, f"request {self.request_id}: token chunk "
                                       f"{expected_seq} lost (got {chunk.seq})")
                     raise DecodeLost(lost) if got_first else AttemptLost(lost)
                 expected_seq += 1
+                if chunk.source == "prefill":
+                    ahead = chunk.token_ids
                 if chunk.token_ids and not got_first:
                     self.at.mark("first_chunk")
                 got_first = got_first or bool(chunk.token_ids)
