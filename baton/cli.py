@@ -25,6 +25,9 @@ def _dest(flag: str) -> str:
 
 # argparse dest -> config key, for every config-backed flag
 FLAG_KEYS: dict[str, str] = {_dest(flag): dotted for flag, dotted in configuration.FLAGS.items()}
+# flag -> key of the [worker] settings every worker command takes; not --worker-id: each process has its own
+WORKER_FLAGS: dict[str, str] = {flag: dotted for flag, dotted in configuration.FLAGS.items()
+                                if dotted.startswith("worker.") and dotted != "worker.id"}
 
 
 def add_config_option(p: argparse.ArgumentParser) -> None:
@@ -34,25 +37,10 @@ def add_config_option(p: argparse.ArgumentParser) -> None:
 
 def add_worker_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prefill/decode workers ([worker] in the config)")
-    g.add_argument("--spec", choices=("mtp", "off"), help="speculative decoding with the MTP draft (default mtp)")
-    g.add_argument("--draft-tokens", type=int, help="draft tokens per verify step, k (default 5)")
-    g.add_argument("--draft-state", choices=("transfer", "rebuild", "cold"),
-                   help="how decode's draft window starts: sent by prefill, rebuilt from hidden states, or empty")
-    g.add_argument("--kv-mode", choices=("ring", "paged"), help="sliding-window KV storage (default ring)")
-    g.add_argument("--num-pages", type=int, help="default 2048")
-    g.add_argument("--page-size", type=int, help="default 16")
-    g.add_argument("--num-slots", type=int, help="requests resident at once per worker (default 64)")
-    g.add_argument("--max-batch", type=int, help="default 64")
-    g.add_argument("--threads", type=int, help="torch threads per worker (0: torch default; baton up: "
-                   "the cores divided among its prefill and decode processes)")
-    g.add_argument("--transfer-threads", type=int,
-                   help="prefill: threads copying one KV WRITE in parallel (default 0: the NIXL thread alone)")
-    g.add_argument("--prefix-cache", type=int,
-                   help="prefill: ends of computed prompts kept for prompts that extend them (default 64; 0: off)")
-    g.add_argument("--turn-cache", type=int,
-                   help="decode: finished prompts whose full-attention KV the next turn reuses (default 64; 0: off)")
-    g.add_argument("--device", help="cpu, cuda or cuda:N: where each worker's model and KV store live (default cpu)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), help="model weights and KV cache (default float32)")
+    for flag, dotted in WORKER_FLAGS.items():
+        f, kind = configuration.keys()[dotted], configuration.type_of(dotted)
+        g.add_argument(flag, type=None if kind is str else kind, choices=getattr(f.metadata["check"], "options", None),
+                       help=f"{f.metadata['help']} (default {f.default})")
 
 
 def add_http_options(p: argparse.ArgumentParser) -> None:
@@ -65,13 +53,15 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
 
 
 def worker_argv(args) -> list[str]:
-    return ["--spec", args.spec, "--draft-tokens", str(args.draft_tokens), "--draft-state", args.draft_state,
-            "--kv-mode", args.kv_mode, "--num-pages", str(args.num_pages), "--page-size", str(args.page_size),
-            "--num-slots", str(args.num_slots), "--max-batch", str(args.max_batch),
-            "--threads", str(args.threads or shared_host_threads(args.prefill + args.decode)),
-            "--transfer-threads", str(args.transfer_threads), "--prefix-cache", str(args.prefix_cache),
-            "--turn-cache", str(args.turn_cache),
-            "--device", args.device, "--dtype", args.dtype]
+    """The [worker] flags `baton up` gives each prefill and decode child: every effective value, and
+    threads, when not set, a share of the cores."""
+    argv = []
+    for flag, dotted in WORKER_FLAGS.items():
+        value = getattr(args, _dest(flag))
+        if dotted == "worker.threads":
+            value = value or shared_host_threads(args.prefill + args.decode)
+        argv += [flag, str(value)]
+    return argv
 
 
 def shared_host_threads(engines: int) -> int:
@@ -90,10 +80,11 @@ def default_nats_url() -> str:
     return "nats://127.0.0.1:4222"
 
 
-def effective_config(args: argparse.Namespace) -> Config:
-    """The config for this command: the flags the user actually gave override file and env."""
+def effective_config(args: argparse.Namespace, env: dict[str, str] | None = None) -> Config:
+    """The config for this command: the flags the user actually gave override file and env
+    (`env`: None is os.environ)."""
     flags = {dotted: getattr(args, dest) for dest, dotted in FLAG_KEYS.items() if getattr(args, dest, None) is not None}
-    return configuration.load(getattr(args, "config", None), flags=flags)
+    return configuration.load(getattr(args, "config", None), env=env, flags=flags)
 
 
 def apply_config(cfg: Config, args: argparse.Namespace) -> argparse.Namespace:

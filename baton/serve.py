@@ -59,19 +59,6 @@ async def _router(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
     await bus.close(grace_s=10.0)
 
 
-def worker_config(role: str, cfg: Config):
-    """services.worker.WorkerConfig from the [worker] and [model] sections."""
-    from baton.services.worker import WorkerConfig
-    w = cfg.worker
-    return WorkerConfig(role=role, model=Path(cfg.model.path), worker_id=w.id, mode=w.kv_mode,
-                        num_pages=w.num_pages, page_size=w.page_size, num_slots=w.num_slots,
-                        spec=w.spec == "mtp", draft_tokens=w.draft_tokens, draft_state=w.draft_state,
-                        prefill_chunk=w.prefill_chunk, prefix_cache=w.prefix_cache, turn_cache=w.turn_cache,
-                        max_batch=w.max_batch,
-                        transfer_deadline_s=w.transfer_deadline_s, transfer_threads=w.transfer_threads,
-                        threads=w.threads, device=w.device, dtype=w.dtype)
-
-
 async def _http(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
     from baton.services.http.server import serve
     await serve(stop, bus, cfg)
@@ -80,7 +67,8 @@ async def _http(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
 async def _aggregated(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
     """The aggregated baseline (prefill and decode in one process; services/aggregated)."""
     from baton.services.aggregated.service import serve
-    await serve(stop, bus, worker_config("aggregated", cfg))
+    from baton.services.worker import WorkerConfig
+    await serve(stop, bus, WorkerConfig.of("aggregated", cfg))
 
 
 SERVICES = {"registry": _registry, "router": _router, "http": _http, "aggregated": _aggregated}
@@ -154,11 +142,14 @@ def serve(args, cfg: Config | None = None) -> int:
         except BatonError as exc:
             log.error("%s", exc)
             raise SystemExit(1)
-        worker = worker_config(role, cfg) if role in ("prefill", "decode") else None
+        worker = None
+        if role in ("prefill", "decode"):  # its id is made unique here: the health probe asks the registry for it
+            from baton.services.worker import WorkerConfig
+            worker = WorkerConfig.of(role, cfg)
         path = health_file(role, cfg)
         keeper = None
         if role != "http":  # the frontend answers /health itself
-            keeper = asyncio.create_task(keep_health_file(path, role, _probe(role, bus, worker and worker.worker_id),
+            keeper = asyncio.create_task(keep_health_file(path, role, _probe(role, bus, worker and worker.worker.id),
                                                           cfg.health.interval_s), name="health")
         try:
             if worker is not None:

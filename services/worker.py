@@ -8,7 +8,7 @@ import asyncio
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,7 +19,8 @@ from baton.proto.internal import (Ack, CachedPrefix, Capacity, Deregistration, H
                                   WorkerRegistration)
 from baton.shared.bus import Bus
 from baton.shared.bus.wire import decode_event
-from baton.shared.config import WorkerSection
+from baton.shared.config import Config, WorkerSection, check_section
+from baton.shared.engine.runner import SpecConfig
 from baton.shared.kv.cache_changes import Cached
 from baton.shared.kv.codec import from_plain, to_plain
 from baton.shared.kv.manifest import Manifest
@@ -33,29 +34,27 @@ HEARTBEAT_S = 1.0  # the load in heartbeats is at most this old (router balancin
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    """What one worker process runs with: its role, the model directory and the [worker] settings
+    (each declared once, in shared/config.py). An empty `worker.id` becomes role + random suffix,
+    unique per process (a restart is a new NIXL peer)."""
     role: str
     model: Path = DEFAULT_MODEL_DIR
-    worker_id: str = ""  # default: role + random suffix, unique per process (a restart is a new peer)
-    mode: str = "ring"  # sliding-window storage: ring | paged
-    num_pages: int = 2048
-    page_size: int = 16
-    num_slots: int = 64
-    spec: bool = True
-    draft_tokens: int = WorkerSection.draft_tokens  # the one default: shared/config.py
-    draft_state: str = "transfer"  # transfer | rebuild | cold
-    prefill_chunk: int = 256
-    prefix_cache: int = 64  # prefill: prompt ends kept for prompts that extend them (0: off)
-    turn_cache: int = WorkerSection.turn_cache  # decode: finished prompts' full-attention pages kept (0: off)
-    max_batch: int = 64  # prompts per prefill batch / sequences per decode step
-    transfer_deadline_s: float = 30.0
-    transfer_threads: int = 0  # prefill: TransferAgent(copy_threads=), parallel chunks of one WRITE
-    threads: int = 0  # torch threads; 0 = leave torch's default
-    device: str = WorkerSection.device  # cpu | cuda | cuda:N: the model, the KV store, every engine tensor
-    dtype: str = WorkerSection.dtype  # float32 | bfloat16: weights and KV cache
+    worker: WorkerSection = WorkerSection()
 
     def __post_init__(self) -> None:
-        if not self.worker_id:
-            object.__setattr__(self, "worker_id", f"{self.role}-{uuid.uuid4().hex[:10]}")
+        check_section(self.worker)  # loaded settings were checked already; these may come from code (tests)
+        if not self.worker.id:
+            object.__setattr__(self, "worker", replace(self.worker, id=f"{self.role}-{uuid.uuid4().hex[:10]}"))
+
+    @classmethod
+    def of(cls, role: str, cfg: Config) -> WorkerConfig:
+        """From the effective config: its [model] path and its [worker] section."""
+        return cls(role, Path(cfg.model.path), cfg.worker)
+
+
+def speculation(worker: WorkerSection) -> SpecConfig:
+    """The engine's speculation settings from [worker] (where `spec` is mtp | off)."""
+    return SpecConfig(worker.spec == "mtp", worker.draft_tokens, worker.draft_state)
 
 
 class EngineThread:
@@ -136,11 +135,12 @@ class Membership:
 
 
 def registration(config: WorkerConfig, manifest: Manifest, nixl_metadata: bytes, max_seq_len: int) -> WorkerRegistration:
+    w = config.worker
     return WorkerRegistration(
-        worker_id=config.worker_id, instance_id=uuid.uuid4().hex, role=config.role, manifest=to_plain(manifest),
+        worker_id=w.id, instance_id=uuid.uuid4().hex, role=config.role, manifest=to_plain(manifest),
         nixl_metadata=nixl_metadata,
-        capacity=Capacity(total_pages=config.num_pages, page_size=config.page_size,
-                          total_slots=config.num_slots, max_seq_len=max_seq_len))
+        capacity=Capacity(total_pages=w.num_pages, page_size=w.page_size, total_slots=w.num_slots,
+                          max_seq_len=max_seq_len))
 
 
 async def on_worker_left(bus: Bus, callback: Callable[[str], Any]) -> None:

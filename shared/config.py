@@ -53,7 +53,10 @@ def between(lo: float, hi: float | None = None) -> Check:
 
 
 def one_of(*options: str) -> Check:
-    return lambda v: None if v in options else f"must be one of {', '.join(options)}; got {v!r}"
+    def check(v):
+        return None if v in options else f"must be one of {', '.join(options)}; got {v!r}"
+    check.options = options  # the CLI offers them as the flag's choices
+    return check
 
 
 def positive(v) -> str | None:
@@ -344,7 +347,7 @@ TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 def _coerce(dotted: str, raw: Any, source: str, textual: bool) -> Any:
     """`raw` as the key's type: strings (env, flags) are parsed; typed values (TOML) are checked."""
-    kind = _type_of(dotted)
+    kind = type_of(dotted)
     where = f"(from {source})"
     if isinstance(raw, Path):
         raw = str(raw)
@@ -365,7 +368,8 @@ def _coerce(dotted: str, raw: Any, source: str, textual: bool) -> Any:
     return float(raw) if kind is float else raw
 
 
-def _type_of(dotted: str) -> type:
+def type_of(dotted: str) -> type:
+    """The key's Python type (str, int, float or bool)."""
     annotation = keys()[dotted].type
     return {"str": str, "int": int, "float": float, "bool": bool}[annotation] if isinstance(annotation, str) \
         else annotation
@@ -377,11 +381,8 @@ def _build(values: dict[str, Any], sources: dict[str, str]) -> Config:
         given = {k.split(".", 1)[1]: v for k, v in values.items() if k.split(".", 1)[0] == section}
         sections[section] = cls(**given)
     config = Config(**sections, sources=dict(sources))
-    for dotted, f in keys().items():
-        check = f.metadata["check"]
-        problem = check(config.get(dotted)) if check else None
-        if problem:
-            raise ConfigError(f"{dotted}: {problem} (from {config.source(dotted)})")
+    for section in SECTIONS:
+        check_section(getattr(config, section), config.sources)
     for a, b in (("nats.tls_cert_file", "nats.tls_key_file"),):
         if bool(config.get(a)) != bool(config.get(b)):
             raise ConfigError(f"{b if config.get(a) else a}: must be set together with "
@@ -392,6 +393,20 @@ def _build(values: dict[str, Any], sources: dict[str, str]) -> Config:
         raise ConfigError(f"model.path: no such directory: {config.model.path} (from {config.source('model.path')})")
     config.http_api_keys()  # a key file that cannot be read, or is empty, stops the start (fail closed)
     return config
+
+
+def check_section(values: Any, sources: Mapping[str, str] | None = None) -> None:
+    """Raise ConfigError for the first key of `values` (a section, e.g. `WorkerSection(...)`) that
+    fails its check. The message names where the value came from (`sources`, as `Config.sources`);
+    with None the section was built in code, and no source is named."""
+    section = next(name for name, cls in SECTIONS.items() if type(values) is cls)
+    for f in dataclasses.fields(values):
+        check = f.metadata["check"]
+        problem = check(getattr(values, f.name)) if check else None
+        if problem:
+            dotted = f"{section}.{f.name}"
+            where = "" if sources is None else f" (from {sources.get(dotted, 'default')})"
+            raise ConfigError(f"{dotted}: {problem}{where}")
 
 
 # --- showing ---------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ import pytest
 from baton.proto import subjects
 from baton.proto.errors import BatonError
 from baton.proto.public import CancelReply, CancelRequest, GenerateReply, GenerateRequest, SpecStats, StreamChunk
-from baton.services.aggregated.engine import AggregatedConfig
 from baton.services.aggregated.service import AggregatedService, close_service, open_service
+from baton.services.worker import WorkerConfig
 from baton.shared.bus import Bus, NatsServer
+from baton.shared.config import WorkerSection
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.model.tokenizer import TextTokenizer
 from e2e_cluster import Reference, done_within, until, window_prompts
@@ -33,9 +34,11 @@ def reference():
 
 
 @contextlib.asynccontextmanager
-async def aggregated(url: str, **config):
-    """The service in-process (its own bus) and a client bus; yields (client, engine)."""
-    service = await open_service(await Bus.connect(url, "aggregated"), AggregatedConfig(threads=1, **config))
+async def aggregated(url: str, **worker):
+    """The service in-process (its own bus) and a client bus; yields (client, engine). `worker`:
+    [worker] settings."""
+    config = WorkerConfig("aggregated", worker=WorkerSection(threads=1, **worker))
+    service = await open_service(await Bus.connect(url, "aggregated"), config)
     client = await Bus.connect(url, "test-client")
     try:
         yield client, service.engine
@@ -51,7 +54,7 @@ async def assert_all_free(engine, timeout_s: float = 10.0) -> None:
     while True:
         free = store.free_capacity()
         idle = not engine.running and not engine.waiting
-        if idle and free.slots == engine.config.num_slots and free.pages == engine.config.num_pages:
+        if idle and free.slots == engine.worker.num_slots and free.pages == engine.worker.num_pages:
             break
         assert asyncio.get_running_loop().time() < deadline, (free, engine.running, engine.waiting)
         await asyncio.sleep(0.02)
@@ -73,7 +76,7 @@ async def stream(client, **fields) -> tuple[list[int], str, StreamChunk]:
 def test_greedy_equals_transformers_with_staggered_arrivals(nats_url, reference, spec):
     """Requests arrive while others decode (continuous batching: prefill between decode steps)."""
     async def run():
-        async with aggregated(nats_url, spec=spec == "mtp") as (client, engine):
+        async with aggregated(nats_url, spec=spec) as (client, engine):
             async def one(delay: float, p: list[int]):
                 await asyncio.sleep(delay)  # the arrival schedule itself: staggered, not a wait for anything
                 return await client.request(subjects.GENERATE, GenerateRequest(token_ids=p, max_tokens=40),
@@ -116,7 +119,7 @@ def test_draft_tokens_lowers_speculation_per_request_without_changing_tokens(nat
     assert default.token_ids == zero.token_ids == one.token_ids == reference.greedy(p, 24)
     assert zero.spec == SpecStats()
     assert one.spec.drafted == one.spec.verify_steps > 0
-    assert default.spec.drafted == AggregatedConfig().draft_tokens * default.spec.verify_steps > 0
+    assert default.spec.drafted == WorkerSection().draft_tokens * default.spec.verify_steps > 0
 
 
 def test_stream_equals_unary_and_stop_strings_apply(nats_url):
@@ -204,27 +207,28 @@ def test_seeded_sampling_is_reproducible(nats_url):
 
 
 def test_config_from_serve_options():
-    from baton.cli import add_worker_options
+    from baton.services.aggregated.__main__ import add_arguments, worker_config
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=DEFAULT_MODEL_DIR)
-    add_worker_options(parser)
-    config = AggregatedConfig.from_args(parser.parse_args(["--spec", "off", "--kv-mode", "paged", "--num-slots", "8",
-                                                           "--draft-tokens", "2", "--threads", "1"]))
-    assert (config.spec, config.mode, config.num_slots, config.draft_tokens, config.threads) == (False, "paged", 8, 2, 1)
-    assert AggregatedConfig.from_args(config) is config
+    add_arguments(parser)
+    w = worker_config(parser.parse_args(["--spec", "off", "--kv-mode", "paged", "--num-slots", "8",
+                                         "--draft-tokens", "2", "--threads", "1"])).worker
+    assert (w.spec, w.kv_mode, w.num_slots, w.draft_tokens, w.threads) == ("off", "paged", 8, 2, 1)
     from baton.shared import config as settings  # the typed config `baton serve` builds
-    typed = AggregatedConfig.from_args(settings.load(None, flags={"worker.num_slots": 8, "worker.spec": "off"}))
-    assert (typed.num_slots, typed.spec, typed.model) == (8, False, DEFAULT_MODEL_DIR)
+    typed = WorkerConfig.of("aggregated", settings.load(None, flags={"worker.num_slots": 8, "worker.spec": "off"}))
+    assert (typed.worker.num_slots, typed.worker.spec, typed.model) == (8, "off", DEFAULT_MODEL_DIR)
     with pytest.raises(ValueError):
-        AggregatedConfig(draft_state="teleport")
+        WorkerConfig("aggregated", worker=WorkerSection(draft_state="teleport"))
 
 
 def test_serve_entry_takes_serve_options_and_stops_cleanly(nats_url, monkeypatch):
-    """`serve(stop, bus, args)` as `baton serve aggregated` calls it: options from argparse
-    (unset ones None), a request in flight when stop is set still completes."""
+    """`serve(stop, bus, config)` as `python -m baton.services.aggregated` calls it: the config
+    from its options (unset ones default), a request in flight when stop is set still completes."""
+    from baton.services.aggregated.__main__ import add_arguments, worker_config
     from baton.services.aggregated.service import serve
-    args = argparse.Namespace(model=DEFAULT_MODEL_DIR, spec="off", draft_tokens=None, draft_state=None,
-                              kv_mode=None, num_pages=256, page_size=None, num_slots=4, max_batch=None, threads=1)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = worker_config(parser.parse_args(["--spec", "off", "--num-pages", "256", "--num-slots", "4",
+                                              "--threads", "1"]))
 
     opened = asyncio.Event()  # the service opened the request's flow: it is in flight
     open_flow = AggregatedService._open_flow
@@ -238,7 +242,7 @@ def test_serve_entry_takes_serve_options_and_stops_cleanly(nats_url, monkeypatch
     async def run():
         stop = asyncio.Event()
         bus = await Bus.connect(nats_url, "aggregated-serve")
-        task = asyncio.create_task(serve(stop, bus, args))
+        task = asyncio.create_task(serve(stop, bus, config))
         client = await Bus.connect(nats_url, "test-client")
         try:
             await until(lambda: bus.endpoints, 300, "the service serving", every_s=0.02)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from baton import cli
-from baton.serve import router_config, worker_config
+from baton.serve import router_config
 from baton.shared import config
 from baton.shared.config import ConfigError
 
@@ -23,8 +23,8 @@ def test_defaults_match_the_services_own_defaults():
     from baton.services.router.service import RouterConfig
     from baton.services.worker import WorkerConfig
     cfg = config.load(env={})
-    built = worker_config("decode", cfg)
-    assert built == WorkerConfig(role="decode", worker_id=built.worker_id)
+    built = WorkerConfig.of("decode", cfg)
+    assert built == WorkerConfig(role="decode", worker=config.WorkerSection(id=built.worker.id))
     assert router_config(cfg) == RouterConfig()
     assert cfg.model_name == "baton-tiny" and cfg.nats.url == "" and cfg.sources == {}
 
@@ -65,10 +65,11 @@ def test_device_and_dtype_go_from_flags_env_and_file_to_every_worker_baton_up_st
     argv = cli.worker_argv(args)
     assert argv[argv.index("--device") + 1] == "cuda:1" and argv[argv.index("--dtype") + 1] == "bfloat16"
     served = cli.parser().parse_args(["serve", "decode", "--config", str(path), *argv, "--device", "cuda"])
-    w = worker_config("decode", cli.effective_config(served))
+    from baton.services.worker import WorkerConfig
+    w = WorkerConfig.of("decode", cli.effective_config(served)).worker
     assert (w.device, w.dtype) == ("cuda", "bfloat16")
-    from baton.services.aggregated.engine import AggregatedConfig
-    assert (AggregatedConfig.from_args(w).device, AggregatedConfig.from_args(w).dtype) == ("cuda", "bfloat16")
+    aggregated = WorkerConfig.of("aggregated", cli.effective_config(served)).worker
+    assert (aggregated.device, aggregated.dtype) == ("cuda", "bfloat16")
 
 
 def test_serve_builds_the_worker_config_from_all_layers(tmp_path, monkeypatch):
@@ -77,10 +78,11 @@ def test_serve_builds_the_worker_config_from_all_layers(tmp_path, monkeypatch):
     monkeypatch.setenv("BATON_WORKER_KV_MODE", "paged")
     args = cli.parser().parse_args(["serve", "prefill", "--config", str(path), "--draft-state", "cold", "--spec", "off"])
     cfg = cli.effective_config(args)
-    w = worker_config("prefill", cfg)
-    assert (w.mode, w.draft_state, w.spec, w.prefill_chunk, w.transfer_deadline_s, w.transfer_threads) == (
-        "paged", "cold", False, 128, 7.0, 3)
-    assert w.worker_id.startswith("prefill-")
+    from baton.services.worker import WorkerConfig
+    w = WorkerConfig.of("prefill", cfg).worker
+    assert (w.kv_mode, w.draft_state, w.spec, w.prefill_chunk, w.transfer_deadline_s, w.transfer_threads) == (
+        "paged", "cold", "off", 128, 7.0, 3)
+    assert w.id.startswith("prefill-")
     assert router_config(cfg).max_in_flight == 3
 
 

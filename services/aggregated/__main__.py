@@ -15,7 +15,10 @@ import os
 import sys
 from pathlib import Path
 
-from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared.config import DEFAULT_MODEL_DIR, ConfigError
+
+from ..worker import WorkerConfig
+from .engine import PREFILL_TOKENS
 
 log = logging.getLogger("baton.aggregated")
 
@@ -28,8 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--log-level", default=os.environ.get("BATON_LOG_LEVEL", "INFO"))
     add_worker_options(parser)
-    parser.add_argument("--prefill-tokens", type=int, default=4096,
+    parser.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
                         help="prompt tokens prefilled between two decode steps (at least one prompt)")
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The settings from the flags given, defaults for the rest: unlike `baton serve`, this process
+    reads neither a config file nor BATON_<SECTION>_<KEY> variables. Raises ConfigError."""
+    from baton.cli import effective_config
+    return WorkerConfig.of("aggregated", effective_config(args, env={}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     args = ap.parse_args(argv)
+    try:
+        config = worker_config(args)
+    except ConfigError as exc:
+        print(f"{ap.prog}: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     from baton.proto.errors import BatonError
     from baton.services.runtime import run_service, setup_logging
     from baton.shared.bus import Bus, NatsServer
@@ -57,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.error("%s", exc)
                 raise SystemExit(1)
             ready = asyncio.get_running_loop().create_task(_announce(bus, url))
-            await serve(stop, bus, args)
+            await serve(stop, bus, config, args.prefill_tokens)
             ready.cancel()
             log.info("aggregated stopped")
 

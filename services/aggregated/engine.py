@@ -19,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import torch
@@ -28,69 +27,19 @@ import torch
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import Logprobs
 from baton.shared.config import WorkerSection
-from baton.shared.engine.runner import ModelRunner, SpecConfig
+from baton.shared.engine.runner import ModelRunner
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
 from baton.shared.kv.allocator import KVError, OutOfCapacity
 from baton.shared.kv.budget import reservation
 from baton.shared.kv.store import KVStore
-from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.model.model import BatonLM
 from baton.shared.metrics import Stamps
 
-from ..worker import EngineThread
+from ..worker import EngineThread, speculation
 
 log = logging.getLogger("baton.aggregated")
-
-
-@dataclass(frozen=True)
-class AggregatedConfig:
-    model: Path = DEFAULT_MODEL_DIR
-    mode: str = "ring"  # sliding-window storage: ring | paged
-    num_pages: int = 2048
-    page_size: int = 16
-    num_slots: int = 64  # requests resident at once (waiting + running); beyond: busy
-    spec: bool = True
-    draft_tokens: int = WorkerSection.draft_tokens  # the one default: shared/config.py
-    draft_state: str = "transfer"  # transfer (draft window filled at prefill) | rebuild | cold
-    prefill_chunk: int = 256
-    max_batch: int = 64  # sequences per decode step
-    prefill_tokens: int = 4096  # prompt tokens prefilled per turn (at least one prompt): bounds a decode stall
-    threads: int = 0  # torch threads; 0 = leave torch's default
-    device: str = WorkerSection.device  # cpu | cuda | cuda:N
-    dtype: str = WorkerSection.dtype  # float32 | bfloat16
-    max_in_flight: int = 1024  # generate requests handled at once; beyond: busy
-
-    def __post_init__(self) -> None:
-        for name in ("num_pages", "page_size", "num_slots", "prefill_chunk", "max_batch", "prefill_tokens",
-                     "max_in_flight"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        SpecConfig(self.spec, self.draft_tokens, self.draft_state)  # validates the speculation options
-
-    @property
-    def spec_config(self) -> SpecConfig:
-        return SpecConfig(self.spec, self.draft_tokens, self.draft_state)
-
-    @classmethod
-    def from_args(cls, args) -> "AggregatedConfig":
-        """From an argparse namespace with the `baton serve` worker options (`--kv-mode`,
-        `--spec mtp|off`, ...; options it lacks or leaves None keep their defaults), a
-        WorkerConfig, or the typed `baton.shared.config.Config` (its [worker] and [model])."""
-        if isinstance(args, cls):
-            return args
-        if hasattr(args, "worker") and hasattr(getattr(args, "model", None), "path"):  # a Config
-            from types import SimpleNamespace
-            args = SimpleNamespace(**vars(args.worker), model=args.model.path)
-        names = {f.name for f in fields(cls)}
-        values = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-        if getattr(args, "kv_mode", None) is not None:
-            values["mode"] = args.kv_mode
-        if isinstance(values.get("spec"), str):
-            values["spec"] = values["spec"] == "mtp"
-        if "model" in values:
-            values["model"] = Path(values["model"])
-        return cls(**values)
+PREFILL_TOKENS = 4096  # prompt tokens prefilled per turn (at least one prompt): bounds a decode stall
 
 
 @dataclass
@@ -175,12 +124,15 @@ class Job:
 class AggregatedEngine:
     """Owns the model runner, the store and the engine thread; `submit` a request, read its job."""
 
-    def __init__(self, model: BatonLM, config: AggregatedConfig = AggregatedConfig()) -> None:
-        self.config, self.spec = config, config.spec_config
-        self.store = KVStore(model.cfg, mode=config.mode, num_pages=config.num_pages, page_size=config.page_size,
-                             num_slots=config.num_slots, max_draft_tokens=config.draft_tokens,
-                             draft_enabled=config.spec, dtype=model.dtype, device=model.device)
-        self.runner = ModelRunner(model, self.store, self.spec, config.prefill_chunk)
+    def __init__(self, model: BatonLM, worker: WorkerSection = WorkerSection(),
+                 prefill_tokens: int = PREFILL_TOKENS) -> None:
+        if prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be at least 1, got {prefill_tokens}")
+        self.worker, self.spec, self.prefill_tokens = worker, speculation(worker), prefill_tokens
+        self.store = KVStore(model.cfg, mode=worker.kv_mode, num_pages=worker.num_pages, page_size=worker.page_size,
+                             num_slots=worker.num_slots, max_draft_tokens=worker.draft_tokens,
+                             draft_enabled=self.spec.enabled, dtype=model.dtype, device=model.device)
+        self.runner = ModelRunner(model, self.store, self.spec, worker.prefill_chunk)
         self.window = model.cfg.sliding_window
         self.thread = EngineThread()
         self.waiting: deque[Job] = deque()
@@ -262,9 +214,9 @@ class AggregatedEngine:
 
     def _admissible(self) -> list[Job]:
         batch, tokens = [], 0
-        while self.waiting and len(self.running) + len(batch) < self.config.max_batch:
+        while self.waiting and len(self.running) + len(batch) < self.worker.max_batch:
             n = len(self.waiting[0].seq.prompt)
-            if batch and tokens + n > self.config.prefill_tokens:
+            if batch and tokens + n > self.prefill_tokens:
                 break
             batch.append(self.waiting.popleft())
             tokens += n

@@ -22,7 +22,8 @@ from baton.shared.model.checkpoint import load_model
 from baton.shared.model.tokenizer import TextTokenizer
 
 from ..router.service import Router, RouterConfig
-from .engine import AggregatedConfig, AggregatedEngine, Job
+from ..worker import WorkerConfig
+from .engine import PREFILL_TOKENS, AggregatedEngine, Job
 
 log = logging.getLogger("baton.aggregated")
 
@@ -52,21 +53,17 @@ class AggregatedService(Router):
                                         sampling.prompt_logprobs)
 
 
-async def open_service(bus: Bus, args_or_config) -> AggregatedService:
-    """Load the model, start the engine and serve the public subjects on `bus`.
-
-    `args_or_config`: an AggregatedConfig, or an argparse namespace / WorkerConfig with the
-    `baton serve` worker options (see AggregatedConfig.from_args)."""
-    config = AggregatedConfig.from_args(args_or_config)
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    engine = AggregatedEngine(load_model(config.model, config.dtype, config.device), config)
-    service = AggregatedService(bus, engine, TextTokenizer.load(config.model),
-                                RouterConfig(max_in_flight=config.max_in_flight))
+async def open_service(bus: Bus, config: WorkerConfig, prefill_tokens: int = PREFILL_TOKENS) -> AggregatedService:
+    """Load the model, start the engine and serve the public subjects on `bus`."""
+    w = config.worker
+    if w.threads:
+        torch.set_num_threads(w.threads)
+    engine = AggregatedEngine(load_model(config.model, w.dtype, w.device), w, prefill_tokens)
+    service = AggregatedService(bus, engine, TextTokenizer.load(config.model))
     await engine.start()
     await service.start()
     log.info("serving %s (spec %s, k=%d, draft state %s, %d slots)", subjects.GENERATE,
-             "mtp" if config.spec else "off", config.draft_tokens, config.draft_state, config.num_slots)
+             w.spec, w.draft_tokens, w.draft_state, w.num_slots)
     return service
 
 
@@ -79,9 +76,9 @@ async def close_service(service: AggregatedService, grace_s: float = 10.0) -> No
         await service.engine.close()
 
 
-async def serve(stop: asyncio.Event, bus: Bus, args_or_config) -> None:
+async def serve(stop: asyncio.Event, bus: Bus, config: WorkerConfig, prefill_tokens: int = PREFILL_TOKENS) -> None:
     """Serve until `stop` is set; then finish in-flight requests (10 s grace) and close `bus`."""
-    service = await open_service(bus, args_or_config)
+    service = await open_service(bus, config, prefill_tokens)
     await stop.wait()
     log.info("stopping: no new requests; %d in flight", len(service.flows))
     await close_service(service)

@@ -23,7 +23,7 @@ from baton.proto.internal import (Ack, PrefixEvents, PrefixQuery, ReleaseRequest
                                   TokenChunk, WorkerLoad)
 from baton.proto.public import SpecStats, Timing
 from baton.shared.bus import Bus
-from baton.shared.engine.runner import ModelRunner, SpecConfig
+from baton.shared.engine.runner import ModelRunner
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
 from baton.shared.kv.allocator import KVError, OutOfCapacity
@@ -41,7 +41,7 @@ from baton.shared.metrics import ServiceMetrics, Stamps, log_request
 from baton.shared.transfer.notices import request_tag
 from baton.shared.transfer.regions import regions_of
 from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, publish_changes,
-                      registration, snapshot_message)
+                      registration, snapshot_message, speculation)
 
 log = logging.getLogger("baton.decode")
 
@@ -66,18 +66,19 @@ class Request:
 class DecodeWorker:
     def __init__(self, bus: Bus, config: WorkerConfig) -> None:
         self.bus, self.config = bus, config
-        self.model = load_model(config.model, config.dtype, config.device)
-        self.spec = SpecConfig(config.spec, config.draft_tokens, config.draft_state)
-        self.store = KVStore(self.model.cfg, mode=config.mode, num_pages=config.num_pages,
-                             page_size=config.page_size, num_slots=config.num_slots,
-                             max_draft_tokens=config.draft_tokens, draft_enabled=config.spec,
+        w = config.worker
+        self.model = load_model(config.model, w.dtype, w.device)
+        self.spec = speculation(w)
+        self.store = KVStore(self.model.cfg, mode=w.kv_mode, num_pages=w.num_pages,
+                             page_size=w.page_size, num_slots=w.num_slots,
+                             max_draft_tokens=w.draft_tokens, draft_enabled=self.spec.enabled,
                              dtype=self.model.dtype, device=self.model.device)
-        self.runner = ModelRunner(self.model, self.store, self.spec, config.prefill_chunk)
-        self.turns = TurnCache(self.store, config.turn_cache) if config.turn_cache else None
+        self.runner = ModelRunner(self.model, self.store, self.spec, w.prefill_chunk)
+        self.turns = TurnCache(self.store, w.turn_cache) if w.turn_cache else None
         self._evictions_counted = 0  # of turns.evictions, those in the metrics already
-        self.manifest = self.store.manifest(config.worker_id, fingerprint(config.model), role="decode")
+        self.manifest = self.store.manifest(w.id, fingerprint(config.model), role="decode")
         self.lookup = peer_lookup(bus)
-        self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=self.lookup)
+        self.agent = TransferAgent(w.id, regions_of(self.manifest), lookup=self.lookup)
         self.peers: set[str] = set()
         self.requests_total = 0
         self.metrics = ServiceMetrics("decode")
@@ -106,9 +107,9 @@ class DecodeWorker:
             tasks = [asyncio.create_task(self._arrivals(), name="arrivals"),
                      asyncio.create_task(self._step_loop(), name="decode-steps")]
             await self.bus.subscribe(f"{self.probe_prefix}.*", self._on_probe)
-            await self.bus.serve(subjects.decode_reserve(self.config.worker_id), ReserveRequest, self.reserve)
-            await self.bus.serve(subjects.decode_release(self.config.worker_id), ReleaseRequest, self.release)
-            await self.bus.serve(subjects.decode_prefixes(self.config.worker_id), PrefixQuery, self.prefixes)
+            await self.bus.serve(subjects.decode_reserve(self.config.worker.id), ReserveRequest, self.reserve)
+            await self.bus.serve(subjects.decode_release(self.config.worker.id), ReleaseRequest, self.release)
+            await self.bus.serve(subjects.decode_prefixes(self.config.worker.id), PrefixQuery, self.prefixes)
             await on_worker_left(self.bus, self._peer_left)
             await stop.wait()
             log.info("stopping: no new reservations; %d requests in flight", len(self.requests))
@@ -116,7 +117,7 @@ class DecodeWorker:
             for endpoint in self.bus.endpoints:
                 if endpoint.subject.endswith(".reserve"):
                     await endpoint.stop(0)
-            await self._drain(self.config.transfer_deadline_s)
+            await self._drain(self.config.worker.transfer_deadline_s)
             for task in tasks:
                 task.cancel()
             await self.bus.close()
@@ -148,23 +149,24 @@ class DecodeWorker:
         tag = request_tag(msg.request_id)
         if tag in self.requests:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {msg.request_id} is already reserved here")
-        positions = reservation(len(seq.prompt), seq.max_tokens, self.config.draft_tokens)
+        positions = reservation(len(seq.prompt), seq.max_tokens, self.config.worker.draft_tokens)
         await self._ensure_peer(msg.prefill_worker_id)
         try:  # bookkeeping, on the loop: it never waits behind a decode step on the engine thread
             alloc = self._allocate(msg.request_id, positions, seq.prompt)
         except OutOfCapacity as exc:  # room may come back: the router's queue waits for it
-            raise BatonError(ErrorCode.BUSY, f"decode {self.config.worker_id}: {exc}") from None
+            raise BatonError(ErrorCode.BUSY, f"decode {self.config.worker.id}: {exc}") from None
         except KVError as exc:  # more than this worker could ever hold: waiting would not help
-            raise BatonError(ErrorCode.TOO_LARGE, f"decode {self.config.worker_id}: {exc}") from None
+            raise BatonError(ErrorCode.TOO_LARGE, f"decode {self.config.worker.id}: {exc}") from None
         self.requests_total += 1
         draft_state = self._draft_state(msg.draft_state)
         self.requests[tag] = Request(seq, msg.stream_subject, draft_state, time.monotonic(),
                                      self.store.aux[0, alloc.slot].data_ptr(), at=at)
         at.mark("reserved")
         self.agent.arrivals.expect(tag, msg.prefill_worker_id, [c for c in msg.components if c != "aux/AUX"],
-                                   alloc.slot * self.store.aux_layout.item_bytes, self.config.transfer_deadline_s)
+                                   alloc.slot * self.store.aux_layout.item_bytes,
+                                   self.config.worker.transfer_deadline_s)
         await self._publish_turns()  # turns evicted for its room
-        return ReserveReply(request_id=msg.request_id, decode_worker_id=self.config.worker_id,
+        return ReserveReply(request_id=msg.request_id, decode_worker_id=self.config.worker.id,
                             allocation=to_plain(alloc))
 
     def _allocate(self, request_id: str, positions: int, prompt: list[int]):
@@ -321,7 +323,7 @@ class DecodeWorker:
 
     def _batch(self) -> list[tuple[int, Request]]:
         ready = [(t, r) for t, r in self.requests.items() if r.started and not r.abort and not r.seq.finish_reason]
-        return ready[:self.config.max_batch]
+        return ready[:self.config.worker.max_batch]
 
     async def _idle(self) -> None:
         self.wake.clear()
@@ -380,6 +382,6 @@ class DecodeWorker:
 
 
 async def serve(stop: asyncio.Event, bus: Bus, config: WorkerConfig) -> None:
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    if config.worker.threads:
+        torch.set_num_threads(config.worker.threads)
     await DecodeWorker(bus, config).run(stop)

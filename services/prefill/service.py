@@ -24,7 +24,7 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, PrefillDispatch, PrefillDone, PrefillTarget, PrefixEvents, PrefixQuery,
                                   ReleaseRequest, TokenChunk, WorkerLoad)
 from baton.shared.bus import Bus
-from baton.shared.engine.runner import ModelRunner, PrefillOutput, SpecConfig
+from baton.shared.engine.runner import ModelRunner, PrefillOutput
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import Sequence
 from baton.shared.kv.allocator import KVError
@@ -44,7 +44,7 @@ from baton.shared.transfer.notices import request_tag
 from baton.shared.transfer.regions import regions_of
 from .jobs import Job, Jobs, Target
 from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, publish_changes,
-                      registration, snapshot_message)
+                      registration, snapshot_message, speculation)
 
 log = logging.getLogger("baton.prefill")
 PLAN_CACHE = 64  # decoded transfer plans kept (one per decode peer; decoding one costs ~0.4 ms)
@@ -55,22 +55,23 @@ Staged = list[Descriptor] | BatonError | None  # a computed request's WRITE list
 class PrefillWorker:
     def __init__(self, bus: Bus, config: WorkerConfig) -> None:
         self.bus, self.config = bus, config
-        self.model = load_model(config.model, config.dtype, config.device)
-        send_draft = config.spec and config.draft_state == "transfer"
-        self.store = KVStore(self.model.cfg, mode=config.mode, num_pages=config.num_pages,
-                             page_size=config.page_size, num_slots=config.num_slots,
-                             max_draft_tokens=config.draft_tokens, draft_enabled=send_draft,
+        w = config.worker
+        self.model = load_model(config.model, w.dtype, w.device)
+        spec = speculation(w)
+        send_draft = spec.enabled and spec.draft_state == "transfer"
+        self.store = KVStore(self.model.cfg, mode=w.kv_mode, num_pages=w.num_pages,
+                             page_size=w.page_size, num_slots=w.num_slots,
+                             max_draft_tokens=w.draft_tokens, draft_enabled=send_draft,
                              dtype=self.model.dtype, device=self.model.device)
-        self.runner = ModelRunner(self.model, self.store, SpecConfig(config.spec, config.draft_tokens,
-                                                                     config.draft_state), config.prefill_chunk)
+        self.runner = ModelRunner(self.model, self.store, spec, w.prefill_chunk)
         self.send_draft = send_draft
-        self.cache = (PrefixCache(self.store, config.prefix_cache, self.model.cfg.hidden_size)
-                      if config.prefix_cache else None)
+        self.cache = (PrefixCache(self.store, w.prefix_cache, self.model.cfg.hidden_size)
+                      if w.prefix_cache else None)
         self._evictions_counted = 0  # of cache.evictions, those in the metrics already
         self.capacity = self.store.free_capacity()  # what the loop reports: the engine thread's snapshot
-        self.manifest = self.store.manifest(config.worker_id, fingerprint(config.model), role="prefill")
-        self.agent = TransferAgent(config.worker_id, regions_of(self.manifest), lookup=peer_lookup(bus),
-                                   copy_threads=config.transfer_threads)
+        self.manifest = self.store.manifest(w.id, fingerprint(config.model), role="prefill")
+        self.agent = TransferAgent(w.id, regions_of(self.manifest), lookup=peer_lookup(bus),
+                                   copy_threads=w.transfer_threads)
         self.engine = EngineThread()
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.jobs = Jobs()
@@ -99,17 +100,17 @@ class PrefillWorker:
         self.membership.on_refused = stop.set
         async with self.agent:
             await self.membership.start()  # the worker id is ours before we serve its subjects
-            await self.bus.serve(subjects.prefill_dispatch(self.config.worker_id), PrefillDispatch, self.dispatch)
-            await self.bus.serve(subjects.prefill_target(self.config.worker_id), PrefillTarget, self.target)
-            await self.bus.serve(subjects.prefill_release(self.config.worker_id), ReleaseRequest, self.release)
-            await self.bus.serve(subjects.prefill_prefixes(self.config.worker_id), PrefixQuery, self.prefixes)
+            await self.bus.serve(subjects.prefill_dispatch(self.config.worker.id), PrefillDispatch, self.dispatch)
+            await self.bus.serve(subjects.prefill_target(self.config.worker.id), PrefillTarget, self.target)
+            await self.bus.serve(subjects.prefill_release(self.config.worker.id), ReleaseRequest, self.release)
+            await self.bus.serve(subjects.prefill_prefixes(self.config.worker.id), PrefixQuery, self.prefixes)
             await on_worker_left(self.bus, self._peer_left)
             batcher = asyncio.create_task(self._batcher(), name="prefill-batcher")
             await stop.wait()
             log.info("stopping: no new prompts; finishing %d in flight", len(self.jobs))
             self.draining = True
             await self.membership.beat()  # routers stop picking this worker
-            await self._drain(self.config.transfer_deadline_s)
+            await self._drain(self.config.worker.transfer_deadline_s)
             await self.membership.stop()  # "left": decode now releases what it still holds for us
             await self.bus.close(grace_s=1.0)
             batcher.cancel()
@@ -132,7 +133,7 @@ class PrefillWorker:
                         len(self.jobs), timeout_s, len(waiting))
             for job in waiting:
                 self.jobs.settle(job.request_id, BatonError(
-                    ErrorCode.UNAVAILABLE, f"request {job.request_id}: prefill worker {self.config.worker_id} stopped"))
+                    ErrorCode.UNAVAILABLE, f"request {job.request_id}: prefill worker {self.config.worker.id} stopped"))
         next_report = loop.time() + 1.0  # those just ended go at once; WRITEs in flight may not
         while self._holding():
             if loop.time() >= next_report:
@@ -150,7 +151,7 @@ class PrefillWorker:
 
     async def dispatch(self, req: PrefillDispatch) -> PrefillDone:
         if self.draining:
-            raise BatonError(ErrorCode.UNAVAILABLE, f"prefill worker {self.config.worker_id} is stopping; "
+            raise BatonError(ErrorCode.UNAVAILABLE, f"prefill worker {self.config.worker.id} is stopping; "
                              f"request {req.request_id} goes elsewhere")
         if req.request_id in self.jobs:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {req.request_id} is already dispatched here")
@@ -213,7 +214,7 @@ class PrefillWorker:
     async def _batcher(self) -> None:
         while True:
             jobs = [await self.queue.get()]
-            while not self.queue.empty() and len(jobs) < self.config.max_batch:
+            while not self.queue.empty() and len(jobs) < self.config.worker.max_batch:
                 jobs.append(self.queue.get_nowait())
             self.queued_tokens -= sum(len(j.dispatch.token_ids) for j in jobs)
             started = time.monotonic()
@@ -365,10 +366,10 @@ class PrefillWorker:
     async def _stage_when_targeted(self, job: Job, seq: Sequence, out: PrefillOutput,
                                    prefill_ms: float) -> tuple[list[Descriptor] | BatonError, float]:
         try:
-            await asyncio.wait_for(job.settled.wait(), self.config.transfer_deadline_s)
+            await asyncio.wait_for(job.settled.wait(), self.config.worker.transfer_deadline_s)
         except asyncio.TimeoutError:
             self.jobs.settle(job.request_id, BatonError(ErrorCode.TIMEOUT, f"request {job.request_id}: "
-                             f"no target within {self.config.transfer_deadline_s:g} s"))
+                             f"no target within {self.config.worker.transfer_deadline_s:g} s"))
         if isinstance(job.outcome, BatonError):
             return job.outcome, prefill_ms
         started = time.monotonic()
@@ -401,7 +402,7 @@ class PrefillWorker:
         job.at.mark("write")
         try:
             result = await self.agent.write(target.decode_worker_id, descriptors, request_tag(rid),
-                                            self.config.transfer_deadline_s)
+                                            self.config.worker.transfer_deadline_s)
             job.at.mark("written")
         finally:
             await self.engine.call(self._free, rid)  # nothing of ours is in flight any more
@@ -432,6 +433,6 @@ def _fail(job: Job, error: BatonError) -> None:
 
 
 async def serve(stop: asyncio.Event, bus: Bus, config: WorkerConfig) -> None:
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    if config.worker.threads:
+        torch.set_num_threads(config.worker.threads)
     await PrefillWorker(bus, config).run(stop)
