@@ -172,8 +172,7 @@ def serve(args, cfg: Config | None = None) -> int:
 
 async def _worker(role: str, stop: asyncio.Event, bus: Bus, worker) -> None:
     if role == "prefill":
-        from baton.services.prefill.service import serve as serve_prefill
-        await serve_prefill(stop, bus, worker)
+        from baton.services.prefill.service import PrefillWorker as Role
     else:
-        from baton.services.decode.service import serve as serve_decode
-        await serve_decode(stop, bus, worker)
+        from baton.services.decode.service import DecodeWorker as Role
+    await Role(bus, worker).run(stop)

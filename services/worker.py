@@ -1,7 +1,7 @@
-"""What prefill and decode workers share: the model settings, registry membership under a lease,
-NIXL peers from validated manifests, the single engine thread that owns model and KV store, and
-the messages that tell routers what a worker's cache holds (prefill's prefix cache, decode's turn
-cache: proto `PrefixEvents`)."""
+"""What prefill and decode workers share: the model settings, the parts a worker is built of and
+how it runs (`Worker`), registry membership under a lease, NIXL peers from validated manifests,
+the single engine thread that owns model and KV store, and the messages that tell routers what a
+worker's cache holds (prefill's prefix cache, decode's turn cache: proto `PrefixEvents`)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, CachedPrefix, Capacity, Deregistration, Heartbeat, HeartbeatReply,
@@ -20,12 +22,15 @@ from baton.proto.internal import (Ack, CachedPrefix, Capacity, Deregistration, H
 from baton.shared.bus import Bus
 from baton.shared.bus.wire import decode_event
 from baton.shared.config import Config, WorkerSection, check_section
-from baton.shared.engine.runner import SpecConfig
+from baton.shared.engine.runner import ModelRunner, SpecConfig
 from baton.shared.kv.cache_changes import Cached
 from baton.shared.kv.codec import from_plain, to_plain
 from baton.shared.kv.manifest import Manifest
-from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
-from baton.shared.transfer.agent import PeerInfo
+from baton.shared.kv.store import KVStore
+from baton.shared.metrics import ServiceMetrics
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, fingerprint, load_model
+from baton.shared.model.model import BatonLM
+from baton.shared.transfer.agent import PeerInfo, TransferAgent
 from baton.shared.transfer.regions import regions_of
 
 log = logging.getLogger("baton.worker")
@@ -55,6 +60,57 @@ class WorkerConfig:
 def speculation(worker: WorkerSection) -> SpecConfig:
     """The engine's speculation settings from [worker] (where `spec` is mtp | off)."""
     return SpecConfig(worker.spec == "mtp", worker.draft_tokens, worker.draft_state)
+
+
+def kv_store(model: BatonLM, worker: WorkerSection, draft_windows: bool) -> KVStore:
+    """The [worker] section's KV store for `model`, on its device; `draft_windows`: a draft window
+    per slot (for the MTP draft)."""
+    return KVStore(model.cfg, mode=worker.kv_mode, num_pages=worker.num_pages, page_size=worker.page_size,
+                   num_slots=worker.num_slots, max_draft_tokens=worker.draft_tokens, draft_enabled=draft_windows,
+                   dtype=model.dtype, device=model.device)
+
+
+class Worker:
+    """A prefill or decode worker: the parts it is built of, each from the one before (the model,
+    its KV store and runner, the manifest of the store's memory, the NIXL agent that registers
+    that memory, the engine thread, the metrics, the registry membership), and how it runs.
+
+    A role adds `load()` (its heartbeat's load), `_serve()` (its subjects and tasks),
+    `_peer_left(worker_id)` (a registered worker is gone) and `_leave()` (stop serving, end what it
+    holds, close the bus)."""
+
+    def __init__(self, bus: Bus, config: WorkerConfig, draft_windows: bool, copy_threads: int = 0) -> None:
+        """`draft_windows`: see `kv_store`; `copy_threads`: TransferAgent's, for parallel WRITEs."""
+        w = config.worker
+        if w.threads:  # before the model loads
+            torch.set_num_threads(w.threads)
+        self.bus, self.config = bus, config
+        self.model = load_model(config.model, w.dtype, w.device)
+        self.spec = speculation(w)
+        self.store = kv_store(self.model, w, draft_windows)
+        self.runner = ModelRunner(self.model, self.store, self.spec, w.prefill_chunk)
+        self.manifest = self.store.manifest(w.id, fingerprint(config.model), role=config.role)
+        self.lookup = peer_lookup(bus)
+        self.agent = TransferAgent(w.id, regions_of(self.manifest), lookup=self.lookup, copy_threads=copy_threads)
+        self.engine = EngineThread()
+        self.metrics = ServiceMetrics(config.role)
+        self.membership = Membership(bus, registration(config, self.manifest, self.agent.metadata(),
+                                                       self.model.cfg.max_position_embeddings), self.load)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Register, serve until `stop` is set, leave. Raises the registry's refusal of our worker
+        id (another live instance holds it), also when found out while serving."""
+        self.metrics.serve_from_env()
+        self.membership.on_refused = stop.set
+        async with self.agent:
+            await self.membership.start()  # the worker id is ours before we serve its subjects
+            await self._serve()
+            await on_worker_left(self.bus, self._peer_left)
+            await stop.wait()
+            await self._leave()
+        self.engine.close()
+        if self.membership.refusal is not None:
+            raise self.membership.refusal
 
 
 class EngineThread:

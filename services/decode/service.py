@@ -14,7 +14,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import torch
 from nats.aio.msg import Msg
 
 from baton.proto import subjects
@@ -23,25 +22,19 @@ from baton.proto.internal import (Ack, PrefixEvents, PrefixQuery, ReleaseRequest
                                   TokenChunk, WorkerLoad)
 from baton.proto.public import SpecStats, Timing
 from baton.shared.bus import Bus
-from baton.shared.engine.runner import ModelRunner
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
 from baton.shared.kv.allocator import KVError, OutOfCapacity
 from baton.shared.kv.aux import first_token_at, unpack_aux
 from baton.shared.kv.budget import reservation
 from baton.shared.kv.codec import to_plain
-from baton.shared.kv.store import KVStore
 from baton.shared.kv.turn_cache import TurnCache
-from baton.shared.model.checkpoint import fingerprint, load_model
-from baton.shared.transfer.agent import TransferAgent
 from baton.shared.transfer.arrivals import EventKind
 
-from baton.shared.metrics import ServiceMetrics, Stamps, log_request
+from baton.shared.metrics import Stamps, log_request
 
 from baton.shared.transfer.notices import request_tag
-from baton.shared.transfer.regions import regions_of
-from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, publish_changes,
-                      registration, snapshot_message, speculation)
+from ..worker import Worker, WorkerConfig, publish_changes, snapshot_message, speculation
 
 log = logging.getLogger("baton.decode")
 
@@ -63,32 +56,18 @@ class Request:
     at: Stamps = field(default_factory=Stamps)
 
 
-class DecodeWorker:
+class DecodeWorker(Worker):
     def __init__(self, bus: Bus, config: WorkerConfig) -> None:
-        self.bus, self.config = bus, config
-        w = config.worker
-        self.model = load_model(config.model, w.dtype, w.device)
-        self.spec = speculation(w)
-        self.store = KVStore(self.model.cfg, mode=w.kv_mode, num_pages=w.num_pages,
-                             page_size=w.page_size, num_slots=w.num_slots,
-                             max_draft_tokens=w.draft_tokens, draft_enabled=self.spec.enabled,
-                             dtype=self.model.dtype, device=self.model.device)
-        self.runner = ModelRunner(self.model, self.store, self.spec, w.prefill_chunk)
-        self.turns = TurnCache(self.store, w.turn_cache) if w.turn_cache else None
+        super().__init__(bus, config, draft_windows=speculation(config.worker).enabled)
+        self.turns = TurnCache(self.store, config.worker.turn_cache) if config.worker.turn_cache else None
         self._evictions_counted = 0  # of turns.evictions, those in the metrics already
-        self.manifest = self.store.manifest(w.id, fingerprint(config.model), role="decode")
-        self.lookup = peer_lookup(bus)
-        self.agent = TransferAgent(w.id, regions_of(self.manifest), lookup=self.lookup)
         self.peers: set[str] = set()
         self.requests_total = 0
-        self.metrics = ServiceMetrics("decode")
-        self.engine = EngineThread()
         self.requests: dict[int, Request] = {}  # by tag
         self.wake = asyncio.Event()
         self._running: tuple[list[tuple[int, Request]], float, asyncio.Future] | None = None  # the step in flight
         self.probe_prefix = bus.connection.new_inbox()  # <prefix>.<tag>: the reply subject of a request's chunks
-        self.membership = Membership(bus, registration(config, self.manifest, self.agent.metadata(),
-                                                       self.model.cfg.max_position_embeddings), self.load)
+        self._loops: list[asyncio.Task] = []
 
     def load(self) -> WorkerLoad:
         free = self.store.free_capacity()
@@ -99,31 +78,25 @@ class DecodeWorker:
         return WorkerLoad(free_pages=free.pages, free_slots=free.slots, active_requests=len(self.requests),
                           queued_prompt_tokens=0, requests_total=self.requests_total)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        self.metrics.serve_from_env()
-        self.membership.on_refused = stop.set
-        async with self.agent:
-            await self.membership.start()  # the worker id is ours before we serve its subjects
-            tasks = [asyncio.create_task(self._arrivals(), name="arrivals"),
-                     asyncio.create_task(self._step_loop(), name="decode-steps")]
-            await self.bus.subscribe(f"{self.probe_prefix}.*", self._on_probe)
-            await self.bus.serve(subjects.decode_reserve(self.config.worker.id), ReserveRequest, self.reserve)
-            await self.bus.serve(subjects.decode_release(self.config.worker.id), ReleaseRequest, self.release)
-            await self.bus.serve(subjects.decode_prefixes(self.config.worker.id), PrefixQuery, self.prefixes)
-            await on_worker_left(self.bus, self._peer_left)
-            await stop.wait()
-            log.info("stopping: no new reservations; %d requests in flight", len(self.requests))
-            await self.membership.stop()
-            for endpoint in self.bus.endpoints:
-                if endpoint.subject.endswith(".reserve"):
-                    await endpoint.stop(0)
-            await self._drain(self.config.worker.transfer_deadline_s)
-            for task in tasks:
-                task.cancel()
-            await self.bus.close()
-        self.engine.close()
-        if self.membership.refusal is not None:
-            raise self.membership.refusal
+    async def _serve(self) -> None:
+        worker_id = self.config.worker.id
+        self._loops = [asyncio.create_task(self._arrivals(), name="arrivals"),
+                       asyncio.create_task(self._step_loop(), name="decode-steps")]
+        await self.bus.subscribe(f"{self.probe_prefix}.*", self._on_probe)
+        await self.bus.serve(subjects.decode_reserve(worker_id), ReserveRequest, self.reserve)
+        await self.bus.serve(subjects.decode_release(worker_id), ReleaseRequest, self.release)
+        await self.bus.serve(subjects.decode_prefixes(worker_id), PrefixQuery, self.prefixes)
+
+    async def _leave(self) -> None:
+        log.info("stopping: no new reservations; %d requests in flight", len(self.requests))
+        await self.membership.stop()
+        for endpoint in self.bus.endpoints:
+            if endpoint.subject.endswith(".reserve"):
+                await endpoint.stop(0)
+        await self._drain(self.config.worker.transfer_deadline_s)
+        for task in self._loops:
+            task.cancel()
+        await self.bus.close()
 
     async def _drain(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -379,9 +352,3 @@ class DecodeWorker:
             await self.bus.publish(req.stream, error.to_reply())
         except BatonError as exc:
             log.warning("cannot send error for %s: %s", req.seq.request_id, exc)
-
-
-async def serve(stop: asyncio.Event, bus: Bus, config: WorkerConfig) -> None:
-    if config.worker.threads:
-        torch.set_num_threads(config.worker.threads)
-    await DecodeWorker(bus, config).run(stop)

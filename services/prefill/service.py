@@ -24,7 +24,7 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, PrefillDispatch, PrefillDone, PrefillTarget, PrefixEvents, PrefixQuery,
                                   ReleaseRequest, TokenChunk, WorkerLoad)
 from baton.shared.bus import Bus
-from baton.shared.engine.runner import ModelRunner, PrefillOutput
+from baton.shared.engine.runner import PrefillOutput
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import Sequence
 from baton.shared.kv.allocator import KVError
@@ -33,18 +33,13 @@ from baton.shared.kv.codec import from_plain
 from baton.shared.kv.components import Allocation
 from baton.shared.kv.plan import TransferPlan
 from baton.shared.kv.prefix_cache import Hit, PrefixCache
-from baton.shared.kv.store import KVStore
-from baton.shared.model.checkpoint import fingerprint, load_model
-from baton.shared.transfer.agent import TransferAgent
 from baton.shared.transfer.regions import Descriptor
 
-from baton.shared.metrics import ServiceMetrics, log_request
+from baton.shared.metrics import log_request
 
 from baton.shared.transfer.notices import request_tag
-from baton.shared.transfer.regions import regions_of
 from .jobs import Job, Jobs, Target
-from ..worker import (EngineThread, Membership, WorkerConfig, on_worker_left, peer_lookup, publish_changes,
-                      registration, snapshot_message, speculation)
+from ..worker import Worker, WorkerConfig, publish_changes, snapshot_message, speculation
 
 log = logging.getLogger("baton.prefill")
 PLAN_CACHE = 64  # decoded transfer plans kept (one per decode peer; decoding one costs ~0.4 ms)
@@ -52,37 +47,24 @@ Staged = list[Descriptor] | BatonError | None  # a computed request's WRITE list
 # or None: its target is still to come
 
 
-class PrefillWorker:
+class PrefillWorker(Worker):
     def __init__(self, bus: Bus, config: WorkerConfig) -> None:
-        self.bus, self.config = bus, config
-        w = config.worker
-        self.model = load_model(config.model, w.dtype, w.device)
-        spec = speculation(w)
-        send_draft = spec.enabled and spec.draft_state == "transfer"
-        self.store = KVStore(self.model.cfg, mode=w.kv_mode, num_pages=w.num_pages,
-                             page_size=w.page_size, num_slots=w.num_slots,
-                             max_draft_tokens=w.draft_tokens, draft_enabled=send_draft,
-                             dtype=self.model.dtype, device=self.model.device)
-        self.runner = ModelRunner(self.model, self.store, spec, w.prefill_chunk)
-        self.send_draft = send_draft
-        self.cache = (PrefixCache(self.store, w.prefix_cache, self.model.cfg.hidden_size)
-                      if w.prefix_cache else None)
+        spec = speculation(config.worker)
+        # the store holds draft windows only to send them (draft state transfer): decode makes the others
+        self.send_draft = spec.enabled and spec.draft_state == "transfer"
+        super().__init__(bus, config, draft_windows=self.send_draft, copy_threads=config.worker.transfer_threads)
+        self.cache = (PrefixCache(self.store, config.worker.prefix_cache, self.model.cfg.hidden_size)
+                      if config.worker.prefix_cache else None)
         self._evictions_counted = 0  # of cache.evictions, those in the metrics already
         self.capacity = self.store.free_capacity()  # what the loop reports: the engine thread's snapshot
-        self.manifest = self.store.manifest(w.id, fingerprint(config.model), role="prefill")
-        self.agent = TransferAgent(w.id, regions_of(self.manifest), lookup=peer_lookup(bus),
-                                   copy_threads=w.transfer_threads)
-        self.engine = EngineThread()
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.jobs = Jobs()
         self.queued_tokens = 0
         self.requests_total = 0
         self.draining = False  # stopping: new prompts are refused, held ones finish
-        self.membership = Membership(bus, registration(config, self.manifest, self.agent.metadata(),
-                                                       self.model.cfg.max_position_embeddings), self.load)
         self._tasks: set[asyncio.Task] = set()
         self._plans: OrderedDict[bytes, TransferPlan] = OrderedDict()  # by the plan's packed plain form
-        self.metrics = ServiceMetrics("prefill")
+        self._batching: asyncio.Task | None = None
 
     def load(self) -> WorkerLoad:
         """Loop: the heartbeat's load, from the capacity the engine thread last published (only
@@ -95,28 +77,22 @@ class PrefillWorker:
                           queued_prompt_tokens=self.queued_tokens, requests_total=self.requests_total,
                           draining=self.draining)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        self.metrics.serve_from_env()
-        self.membership.on_refused = stop.set
-        async with self.agent:
-            await self.membership.start()  # the worker id is ours before we serve its subjects
-            await self.bus.serve(subjects.prefill_dispatch(self.config.worker.id), PrefillDispatch, self.dispatch)
-            await self.bus.serve(subjects.prefill_target(self.config.worker.id), PrefillTarget, self.target)
-            await self.bus.serve(subjects.prefill_release(self.config.worker.id), ReleaseRequest, self.release)
-            await self.bus.serve(subjects.prefill_prefixes(self.config.worker.id), PrefixQuery, self.prefixes)
-            await on_worker_left(self.bus, self._peer_left)
-            batcher = asyncio.create_task(self._batcher(), name="prefill-batcher")
-            await stop.wait()
-            log.info("stopping: no new prompts; finishing %d in flight", len(self.jobs))
-            self.draining = True
-            await self.membership.beat()  # routers stop picking this worker
-            await self._drain(self.config.worker.transfer_deadline_s)
-            await self.membership.stop()  # "left": decode now releases what it still holds for us
-            await self.bus.close(grace_s=1.0)
-            batcher.cancel()
-        self.engine.close()
-        if self.membership.refusal is not None:
-            raise self.membership.refusal
+    async def _serve(self) -> None:
+        worker_id = self.config.worker.id
+        await self.bus.serve(subjects.prefill_dispatch(worker_id), PrefillDispatch, self.dispatch)
+        await self.bus.serve(subjects.prefill_target(worker_id), PrefillTarget, self.target)
+        await self.bus.serve(subjects.prefill_release(worker_id), ReleaseRequest, self.release)
+        await self.bus.serve(subjects.prefill_prefixes(worker_id), PrefixQuery, self.prefixes)
+        self._batching = asyncio.create_task(self._batcher(), name="prefill-batcher")
+
+    async def _leave(self) -> None:
+        log.info("stopping: no new prompts; finishing %d in flight", len(self.jobs))
+        self.draining = True
+        await self.membership.beat()  # routers stop picking this worker
+        await self._drain(self.config.worker.transfer_deadline_s)
+        await self.membership.stop()  # "left": decode now releases what it still holds for us
+        await self.bus.close(grace_s=1.0)
+        self._batching.cancel()
 
     async def _drain(self, timeout_s: float) -> None:
         """Finish the requests held (compute, wait for a target, WRITE) for up to `timeout_s`;
@@ -430,9 +406,3 @@ class PrefillWorker:
 def _fail(job: Job, error: BatonError) -> None:
     if not job.done.done():
         job.done.set_exception(error)
-
-
-async def serve(stop: asyncio.Event, bus: Bus, config: WorkerConfig) -> None:
-    if config.worker.threads:
-        torch.set_num_threads(config.worker.threads)
-    await PrefillWorker(bus, config).run(stop)
