@@ -29,7 +29,6 @@ from baton.shared.kv.manifest import Manifest
 from baton.shared.kv.store import KVStore
 from baton.shared.metrics import ServiceMetrics
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, fingerprint, load_model
-from baton.shared.model.model import BatonLM
 from baton.shared.transfer.agent import PeerInfo, TransferAgent
 from baton.shared.transfer.regions import regions_of
 
@@ -62,14 +61,6 @@ def speculation(worker: WorkerSection) -> SpecConfig:
     return SpecConfig(worker.spec == "mtp", worker.draft_tokens, worker.draft_state)
 
 
-def kv_store(model: BatonLM, worker: WorkerSection, draft_windows: bool) -> KVStore:
-    """The [worker] section's KV store for `model`, on its device; `draft_windows`: a draft window
-    per slot (for the MTP draft)."""
-    return KVStore(model.cfg, mode=worker.kv_mode, num_pages=worker.num_pages, page_size=worker.page_size,
-                   num_slots=worker.num_slots, max_draft_tokens=worker.draft_tokens, draft_enabled=draft_windows,
-                   dtype=model.dtype, device=model.device)
-
-
 class Worker:
     """A prefill or decode worker: the parts it is built of, each from the one before (the model,
     its KV store and runner, the manifest of the store's memory, the NIXL agent that registers
@@ -80,14 +71,15 @@ class Worker:
     holds, close the bus)."""
 
     def __init__(self, bus: Bus, config: WorkerConfig, draft_windows: bool, copy_threads: int = 0) -> None:
-        """`draft_windows`: see `kv_store`; `copy_threads`: TransferAgent's, for parallel WRITEs."""
+        """`draft_windows`: a draft window per slot (`KVStore.for_worker`); `copy_threads`: TransferAgent's, for parallel WRITEs."""
         w = config.worker
         if w.threads:  # before the model loads
             torch.set_num_threads(w.threads)
         self.bus, self.config = bus, config
         self.model = load_model(config.model, w.dtype, w.device)
         self.spec = speculation(w)
-        self.store = kv_store(self.model, w, draft_windows)
+        self.store = KVStore.for_worker(self.model.cfg, w, draft_enabled=draft_windows, dtype=self.model.dtype,
+                                        device=self.model.device)
         self.runner = ModelRunner(self.model, self.store, self.spec, w.prefill_chunk)
         self.manifest = self.store.manifest(w.id, fingerprint(config.model), role=config.role)
         self.lookup = peer_lookup(bus)

@@ -8,7 +8,8 @@ would have every draft rejected, and any row mix-up would go unseen)."""
 import pytest
 import torch
 
-from baton.shared.engine.local import LocalCapacity, LocalEngine
+from baton.shared.config import WorkerSection
+from baton.shared.engine.local import LocalEngine
 from baton.shared.engine.runner import SpecConfig
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import Sequence
@@ -41,7 +42,7 @@ def dense_logprobs(model, tokens: list[int]) -> torch.Tensor:
 
 
 def run(model, spec: SpecConfig, max_tokens: int = 24, mode: str = "ring", params=SamplingParams(), stop=()):
-    engine = LocalEngine(model, spec, LocalCapacity(num_pages=400, page_size=16, num_slots=8, mode=mode),
+    engine = LocalEngine(model, spec, WorkerSection(num_pages=400, page_size=16, num_slots=8, kv_mode=mode),
                          prefill_chunk=64)
     seqs = [Sequence(f"r{i}", p, max_tokens, params if params.greedy else SamplingParams(1.0, 1.0, seed=i),
                      stop_token_ids=frozenset(stop), logprobs=TOP) for i, p in enumerate(prompts_for(model))]
@@ -97,8 +98,8 @@ def test_a_stop_token_cuts_the_logprobs_with_the_tokens(model):
 
 
 def test_prompt_logprobs_score_each_prompt_token_from_the_second(model):
-    engine = LocalEngine(model, SpecConfig(True, 3, "transfer"), LocalCapacity(num_pages=400, page_size=16,
-                                                                               num_slots=8, mode="paged"),
+    engine = LocalEngine(model, SpecConfig(True, 3, "transfer"), WorkerSection(num_pages=400, page_size=16,
+                                                                               num_slots=8, kv_mode="paged"),
                          prefill_chunk=64)
     seqs = [Sequence(f"p{i}", p, 1, prompt_logprobs=2) for i, p in enumerate(prompts_for(model))]
     for seq in seqs:

@@ -5,7 +5,8 @@ the tokens already sent as output."""
 import pytest
 import torch
 
-from baton.shared.engine.local import LocalCapacity, LocalEngine
+from baton.shared.config import WorkerSection
+from baton.shared.engine.local import LocalEngine
 from baton.shared.engine.runner import SpecConfig
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import Sequence
@@ -58,7 +59,7 @@ def prompts(model):
 
 
 def greedy(model, spec: SpecConfig, prompts, n: int, mode: str = "ring", **penalties) -> list[Sequence]:
-    engine = LocalEngine(model, spec, LocalCapacity(num_pages=400, page_size=16, num_slots=8, mode=mode),
+    engine = LocalEngine(model, spec, WorkerSection(num_pages=400, page_size=16, num_slots=8, kv_mode=mode),
                          prefill_chunk=64)
     seqs = engine.run([Sequence(f"r{i}", p, n, SamplingParams(**penalties)) for i, p in enumerate(prompts)])
     engine.store.check_integrity()
@@ -90,7 +91,7 @@ def test_each_penalty_alone_is_applied(model, prompts):
 def test_a_continuation_counts_the_tokens_already_sent(model, prompts):
     whole, = greedy(model, SpecConfig(True, 3, "transfer"), prompts[1:2], 20, **PENALTIES)
     sent = whole.output[:7]
-    engine = LocalEngine(model, SpecConfig(True, 3, "transfer"), LocalCapacity(num_pages=400, page_size=16))
+    engine = LocalEngine(model, SpecConfig(True, 3, "transfer"), WorkerSection(num_pages=400, page_size=16))
     rest, = engine.run([Sequence("c", prompts[1] + sent, 13, SamplingParams(**PENALTIES), output_in_prompt=len(sent))])
     assert sent + rest.output == whole.output
 

@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from baton.proto.public import MAX_DRAFT_TOKENS
 from baton.shared.engine.attention import Chunk, StoreAttention
-from baton.shared.engine.local import LocalCapacity, LocalEngine
+from baton.shared.config import WorkerSection
+from baton.shared.engine.local import LocalEngine
 from baton.shared.engine.runner import SpecConfig
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import Sequence
@@ -41,7 +42,7 @@ def run_aggregated(model, spec: SpecConfig, prompts, max_tokens: int, mode: str 
                    params=SamplingParams(), seed: int = 0, pages: int = 200, slots: int = 8, min_tokens: int = 0):
     """caps: each sequence's draft_tokens (None: all use the deployment's K); sampled sequences
     get seeds seed, seed+1, ..."""
-    engine = LocalEngine(model, spec, LocalCapacity(num_pages=pages, page_size=4, num_slots=slots, mode=mode),
+    engine = LocalEngine(model, spec, WorkerSection(num_pages=pages, page_size=4, num_slots=slots, kv_mode=mode),
                          prefill_chunk=5)
     caps = caps or [None] * len(prompts)
     seqs = engine.run([Sequence(f"r{i}", p, max_tokens, replace(params, seed=seed + i) if not params.greedy else params,
@@ -203,7 +204,7 @@ class DispatchCounter(TorchDispatchMode):
                          ids=["greedy", "sampled"])
 def test_a_decode_step_reads_the_device_once(model, params):
     """Draft -> verify -> accept for a mixed batch reads results back to the host exactly once."""
-    engine = LocalEngine(model, SpecConfig(True, K, "transfer"), LocalCapacity(num_pages=200, page_size=4, num_slots=8))
+    engine = LocalEngine(model, SpecConfig(True, K, "transfer"), WorkerSection(num_pages=200, page_size=4, num_slots=8))
     seqs = [Sequence(f"s{i}", p, 40, replace(params, seed=i), draft_tokens=cap)
             for i, (p, cap) in enumerate(zip(MIXED, CAPS))]
     engine.admit(seqs)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from baton.shared.engine import sampling
-from baton.shared.engine.local import LocalCapacity, LocalEngine
+from baton.shared.config import WorkerSection
+from baton.shared.engine.local import LocalEngine
 from baton.shared.engine.runner import SpecConfig
 from baton.shared.engine.sampling import BatchSampling, SamplingParams, accept, target_probs
 from baton.shared.engine.sequence import Sequence
@@ -140,7 +141,7 @@ def exact_second_token(model, prompt: list[int], temperature: float, penalise=No
 
 
 def sample_second_tokens(model, prompt, n, temperature, **penalties) -> torch.Tensor:
-    engine = LocalEngine(model, SpecConfig(True, 3, "transfer"), LocalCapacity(num_pages=4000, page_size=4, num_slots=500))
+    engine = LocalEngine(model, SpecConfig(True, 3, "transfer"), WorkerSection(num_pages=4000, page_size=4, num_slots=500))
     counts = torch.zeros(model.cfg.vocab_size)
     for batch in range(n // 500):
         seqs = [Sequence(f"s{batch}-{i}", prompt, 3, SamplingParams(temperature, 1.0, seed=batch * 500 + i, **penalties))

@@ -32,10 +32,11 @@ from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
 from baton.shared.kv.allocator import KVError, OutOfCapacity
 from baton.shared.kv.budget import reservation
+from baton.shared.kv.store import KVStore
 from baton.shared.model.model import BatonLM
 from baton.shared.metrics import Stamps
 
-from ..worker import EngineThread, kv_store, speculation
+from ..worker import EngineThread, speculation
 
 log = logging.getLogger("baton.aggregated")
 PREFILL_TOKENS = 4096  # prompt tokens prefilled per turn (at least one prompt): bounds a decode stall
@@ -128,7 +129,8 @@ class AggregatedEngine:
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be at least 1, got {prefill_tokens}")
         self.worker, self.spec, self.prefill_tokens = worker, speculation(worker), prefill_tokens
-        self.store = kv_store(model, worker, draft_windows=self.spec.enabled)
+        self.store = KVStore.for_worker(model.cfg, worker, draft_enabled=self.spec.enabled, dtype=model.dtype,
+                                        device=model.device)
         self.runner = ModelRunner(model, self.store, self.spec, worker.prefill_chunk)
         self.window = model.cfg.sliding_window
         self.thread = EngineThread()

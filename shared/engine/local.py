@@ -5,10 +5,11 @@ steps the disaggregated services run, with the transfer replaced by sharing the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
+from baton.shared.config import WorkerSection
 from baton.shared.kv.budget import reservation
 from baton.shared.kv.store import KVStore
 from baton.shared.model.model import BatonLM
@@ -18,22 +19,17 @@ from .sampling import SamplingParams
 from .sequence import Sequence
 
 
-@dataclass(frozen=True)
-class LocalCapacity:
-    num_pages: int = 4096
-    page_size: int = 16
-    num_slots: int = 64
-    mode: str = "ring"
+LOCAL_STORE = WorkerSection(num_pages=4096)  # room for the benches' batches of long prompts
 
 
 class LocalEngine:
-    def __init__(self, model: BatonLM, spec: SpecConfig, capacity: LocalCapacity = LocalCapacity(),
+    def __init__(self, model: BatonLM, spec: SpecConfig, store: WorkerSection = LOCAL_STORE,
                  prefill_chunk: int = 256) -> None:
+        """`store`: the [worker] section's storage keys (kv_mode, num_pages, page_size, num_slots);
+        its k is `spec`'s."""
         self.spec = spec
-        self.store = KVStore(model.cfg, mode=capacity.mode, num_pages=capacity.num_pages,
-                             page_size=capacity.page_size, num_slots=capacity.num_slots,
-                             max_draft_tokens=spec.draft_tokens, draft_enabled=spec.enabled,
-                             dtype=model.dtype, device=model.device)
+        self.store = KVStore.for_worker(model.cfg, replace(store, draft_tokens=spec.draft_tokens),
+                                        draft_enabled=spec.enabled, dtype=model.dtype, device=model.device)
         self.runner = ModelRunner(model, self.store, spec, prefill_chunk)
         self.window = model.cfg.sliding_window
 

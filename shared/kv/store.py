@@ -60,6 +60,7 @@ from baton.shared.kv.host_memory import huge_page_zeros
 from baton.shared.kv.manifest import Manifest
 from baton.shared.kv.paged_swa import PagedSwa
 from baton.shared.kv.routing import AUX_KEY, FULL, SWA, SWA_RING, PoolKey, route_layers
+from baton.shared.config import WorkerSection
 from baton.shared.model.config import ModelConfig
 
 
@@ -83,6 +84,15 @@ class FreeCapacity:
 
 
 class KVStore:
+    @classmethod
+    def for_worker(cls, cfg: ModelConfig, worker: WorkerSection, *, draft_enabled: bool,
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KVStore":
+        """The store a [worker] section describes (storage mode, pages, slots, k); `draft_enabled`:
+        a draft window per slot (for the MTP draft)."""
+        return cls(cfg, mode=worker.kv_mode, num_pages=worker.num_pages, page_size=worker.page_size,
+                   num_slots=worker.num_slots, max_draft_tokens=worker.draft_tokens, dtype=dtype,
+                   draft_enabled=draft_enabled, device=device)
+
     def __init__(self, cfg: ModelConfig, *, mode: str = "ring", num_pages: int, page_size: int,
                  num_slots: int, max_draft_tokens: int, dtype: torch.dtype = torch.float32,
                  draft_enabled: bool = True, num_swa_pages: int | None = None,
