@@ -39,20 +39,10 @@ async def _registry(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
     await bus.close()
 
 
-def router_config(cfg: Config):
-    from baton.services.router.service import RouterConfig
-    from baton.services.router.flow import RouterTimeouts
-    r = cfg.router
-    return RouterConfig(timeouts=RouterTimeouts(request_s=r.request_timeout_s, first_token_s=r.first_token_timeout_s,
-                                                idle_s=r.idle_timeout_s, control_s=r.control_timeout_s),
-                        max_in_flight=r.max_in_flight, max_queued=r.max_queued, max_queue_s=r.max_queue_s,
-                        prefix_affinity=r.prefix_affinity)
-
-
 async def _router(stop: asyncio.Event, bus: Bus, cfg: Config) -> None:
     from baton.services.router.service import Router
     from baton.shared.model.tokenizer import TextTokenizer
-    router = Router(bus, _model_config(cfg), TextTokenizer.load(Path(cfg.model.path)), router_config(cfg))
+    router = Router(bus, _model_config(cfg), TextTokenizer.load(Path(cfg.model.path)), cfg.router)
     await router.start()
     await stop.wait()
     await router.stop()

@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 from baton import cli
-from baton.serve import router_config
 from baton.shared import config
 from baton.shared.config import ConfigError
 
@@ -20,12 +19,12 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_defaults_match_the_services_own_defaults():
-    from baton.services.router.service import RouterConfig
+    from baton.services.router.flow import RouterTimeouts
     from baton.services.worker import WorkerConfig
     cfg = config.load(env={})
     built = WorkerConfig.of("decode", cfg)
     assert built == WorkerConfig(role="decode", worker=config.WorkerSection(id=built.worker.id))
-    assert router_config(cfg) == RouterConfig()
+    assert RouterTimeouts.of(cfg.router) == RouterTimeouts()  # the flow's defaults are the section's
     assert cfg.model_name == "baton-tiny" and cfg.nats.url == "" and cfg.sources == {}
 
 
@@ -83,7 +82,7 @@ def test_serve_builds_the_worker_config_from_all_layers(tmp_path, monkeypatch):
     assert (w.kv_mode, w.draft_state, w.spec, w.prefill_chunk, w.transfer_deadline_s, w.transfer_threads) == (
         "paged", "cold", "off", 128, 7.0, 3)
     assert w.id.startswith("prefill-")
-    assert router_config(cfg).max_in_flight == 3
+    assert cfg.router.max_in_flight == 3
 
 
 @pytest.mark.parametrize("env, message", [

@@ -17,11 +17,12 @@ import torch
 from baton.proto import subjects
 from baton.proto.public import CancelRequest, GenerateRequest
 from baton.shared.bus import Bus
+from baton.shared.config import RouterSection
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.model.checkpoint import load_model
 from baton.shared.model.tokenizer import TextTokenizer
 
-from ..router.service import Router, RouterConfig
+from ..router.service import Router
 from ..worker import WorkerConfig
 from .engine import PREFILL_TOKENS, AggregatedEngine, Job
 
@@ -32,7 +33,7 @@ class AggregatedService(Router):
     """The router's public handlers over an in-process engine."""
 
     def __init__(self, bus: Bus, engine: AggregatedEngine, tokenizer: TextTokenizer,
-                 config: RouterConfig = RouterConfig()) -> None:
+                 config: RouterSection = RouterSection()) -> None:
         super().__init__(bus, engine.runner.model.cfg, tokenizer, config)
         self.engine = engine
 

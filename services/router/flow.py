@@ -23,6 +23,7 @@ from baton.proto.internal import (Ack, PrefillDispatch, PrefillDone, PrefillTarg
                                   ReserveReply, ReserveRequest, SamplingParams, TokenChunk)
 from baton.proto.public import Logprobs
 from baton.shared.bus import Bus
+from baton.shared.config import RouterSection
 from baton.shared.metrics import Stamps
 
 from .admission import AdmissionQueue
@@ -34,13 +35,19 @@ log = logging.getLogger("baton.router.flow")
 
 @dataclass(frozen=True)
 class RouterTimeouts:
-    request_s: float = 600.0  # whole request, admission to last token
-    first_token_s: float = 120.0  # admission to first token (prefill + transfer)
-    idle_s: float = 60.0  # silence between two chunks
+    """The [router] section's timeouts (`of`), and two that are not configuration."""
+    request_s: float = RouterSection.request_timeout_s  # whole request, admission to last token
+    first_token_s: float = RouterSection.first_token_timeout_s  # admission to first token (prefill + transfer)
+    idle_s: float = RouterSection.idle_timeout_s  # silence between two chunks
     reconnect_s: float = 10.0  # silence allowed once the router's NATS connection came back: what was
     # sent around the reconnect may be lost (decode ends a request whose chunks found no inbox)
-    control_s: float = 5.0  # one control round trip (reserve, release)
+    control_s: float = RouterSection.control_timeout_s  # one control round trip (reserve, release)
     prefill_report_s: float = 1.0  # a finished request's wait for prefill's late reply (its usage counts)
+
+    @classmethod
+    def of(cls, router: RouterSection) -> RouterTimeouts:
+        return cls(request_s=router.request_timeout_s, first_token_s=router.first_token_timeout_s,
+                   idle_s=router.idle_timeout_s, control_s=router.control_timeout_s)
 
 
 @dataclass

@@ -8,7 +8,6 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 from baton.proto import subjects
@@ -18,6 +17,7 @@ from baton.proto.public import (CancelReply, CancelRequest, GenerateReply, Gener
                                 StreamChunk, Timing, Usage, check_logprob_size)
 from baton.shared.bus import Bus
 from baton.shared.bus.senders import request_sender
+from baton.shared.config import RouterSection
 from baton.shared.model.config import ModelConfig
 from baton.shared.model.tokenizer import TextTokenizer
 
@@ -35,18 +35,11 @@ log = logging.getLogger("baton.router")
 EARLY_CANCEL_KEEP_S = 30.0  # how long a cancel for a not-yet-seen request id is remembered
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    timeouts: RouterTimeouts = RouterTimeouts()
-    max_in_flight: int = 1024  # requests this router drives at once; beyond: busy
-    max_queued: int = 512  # requests waiting for capacity (admission.py); beyond: busy
-    max_queue_s: float = 120.0  # longest wait in the queue; then: timeout
-    prefix_affinity: float = 1.0  # weight of a prefill worker's cached prefix (affinity.py); 0: load only
-
-
 class Router:
-    def __init__(self, bus: Bus, model: ModelConfig, tokenizer: TextTokenizer, config: RouterConfig) -> None:
+    def __init__(self, bus: Bus, model: ModelConfig, tokenizer: TextTokenizer, config: RouterSection) -> None:
+        """`config`: the [router] section (its queue, in-flight bound, affinity weight, timeouts)."""
         self.bus, self.model, self.tokenizer, self.config = bus, model, tokenizer, config
+        self.timeouts = RouterTimeouts.of(config)
         self.directory = Directory(bus, PrefixAffinity(config.prefix_affinity))
         self.directory.on_left = self._worker_left
         self.directory.on_refresh = lambda: self.admission.wake()  # a worker that joined admits who waits
@@ -164,7 +157,7 @@ class Router:
     async def _open_flow(self, request_id: str, ids: list[int], max_tokens: int, sampling: SamplingParams) -> Flow:
         """What drives one request: a Flow through the cluster (the aggregated baseline overrides
         this with an in-process job of the same surface: tokens(), outcome, cancel())."""
-        return Flow(self.bus, self.directory, self.tokens, self.config.timeouts, request_id, ids, max_tokens, sampling,
+        return Flow(self.bus, self.directory, self.tokens, self.timeouts, request_id, ids, max_tokens, sampling,
                     self.admission)
 
     async def _run(self, req: GenerateRequest, request_id: str, ids: list[int]) -> AsyncIterator[dict]:
