@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
+
+import msgspec
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError
@@ -30,7 +31,7 @@ async def generate(args, url: str) -> int:
             async with bus.stream_request(subjects.GENERATE, request, StreamChunk, timeout_per_message=args.timeout) as chunks:
                 async for chunk in chunks:
                     if args.json:
-                        print(json.dumps(asdict(chunk), default=str), flush=True)
+                        print(json.dumps(msgspec.to_builtins(chunk)), flush=True)
                     else:
                         print(chunk.text, end="", flush=True)
                         if chunk.finished:
@@ -40,7 +41,7 @@ async def generate(args, url: str) -> int:
         else:
             reply = await bus.request(subjects.GENERATE, request, GenerateReply, timeout=args.timeout)
             if args.json:
-                print(json.dumps(asdict(reply), default=str))
+                print(json.dumps(msgspec.to_builtins(reply)))
             else:
                 print(reply.text)
                 print(f"[{reply.finish_reason}; {reply.usage.completion_tokens} tokens; "

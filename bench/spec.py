@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -234,7 +235,7 @@ def system_stream(path: Path, prompt, max_tokens: int, k: int, threads: int, rep
                 tokens += last.token_ids
         done = time.perf_counter()
         return {"tokens": tokens, "decode_tok_s": (len(tokens) - 1) / (done - first), "ttft_ms": (first - sent) * 1000,
-                "spec": vars(last.spec) if last.spec else {}}
+                "spec": msgspec.to_builtins(last.spec) if last.spec else {}}
 
     async def runs(url):
         async with await Bus.connect(url, "bench") as bus:

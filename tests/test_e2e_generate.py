@@ -11,6 +11,7 @@ import msgpack
 import pytest
 import torch
 
+from baton import cli
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import (CancelReply, CancelRequest, GenerateReply, GenerateRequest, Logprobs, SpecStats,
@@ -89,6 +90,19 @@ def test_stream_equals_unary_and_text_prompts_work(cluster):
     unary, ids, text, last = asyncio.run(run())
     assert ids == unary.token_ids and text == unary.text
     assert last.finished and last.finish_reason == unary.finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_baton_generate_prints_the_reply_as_json(cluster, capsys, stream):
+    """`baton generate --json` (and with --stream, one JSON object per chunk): the whole reply
+    as the protocol has it, the same tokens streamed or not."""
+    assert cli.main(["generate", "To be, or not to be", "--max-tokens", "6", "--json", "--nats-url", cluster.nats_url,
+                     *(["--stream"] if stream else [])]) == 0
+    objects = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    last = objects[-1]
+    assert last["finish_reason"] in ("length", "stop") and last["usage"]["completion_tokens"] == len(
+        [t for o in objects for t in o["token_ids"]]) and last["spec"]["verify_steps"] >= 1
+    assert len(objects) == 1 or (stream and all(not o["finished"] for o in objects[:-1]) and last["finished"])
 
 
 def test_cancel_mid_stream_frees_everything(cluster):
