@@ -109,6 +109,28 @@ def test_unknown_peer_and_bad_descriptors_fail_the_request_only():
     asyncio.run(main())
 
 
+def test_an_abort_that_overtook_its_write_refuses_that_write_and_not_the_next_with_its_tag():
+    """Decode gave up on a request before prefill's WRITE started (e.g. its client cancelled right
+    after prefill streamed the first token): that write is refused. A later request under the same
+    id, so the same tag, is written: the refusal is not remembered past the write it was for."""
+    async def main():
+        a, b, _, _ = await pair()
+        async with a, b:
+            b.arrivals.expect(5, "a", ["full"], 64, 5.0)
+            b.arrivals.abort(5, "client cancelled")
+            events = [await asyncio.wait_for(b.arrivals.events.get(), 5) for _ in range(2)]
+            assert [e.kind for e in events] == [EventKind.FAILED, EventKind.RELEASE]  # a acknowledged it
+            refused = await a.write("b", PLAN, 5, 1.0)
+            assert refused.status is TransferStatus.ABORTED and refused.nbytes == 0
+            b.arrivals.expect(5, "a", ["full"], 64, 5.0)  # the request id used again
+            again = await a.write("b", PLAN, 5, 1.0)
+            assert again.ok and again.nbytes == 2 * ITEM + 64
+            arrived = await asyncio.wait_for(b.arrivals.events.get(), 5)
+            assert (arrived.tag, arrived.kind) == (5, EventKind.ARRIVED)
+
+    asyncio.run(main())
+
+
 def test_bad_peer_metadata_is_a_clear_error():
     async def main():
         a, b, _, b_pools = await pair()

@@ -25,7 +25,8 @@ from .regions import AUX_KEY, MAX_TAG, Batch, Descriptor, DescriptorError, Regio
 
 log = logging.getLogger(__name__)
 
-ABORTED_MEMORY = 65536  # tags aborted before their write started, remembered to refuse the write
+ABORTED_MEMORY = 65536  # tags aborted before their write started, remembered to refuse that write
+ABORTED_KEEP_S = 600.0  # ... for at most this long (a write comes within its transfer deadline)
 
 
 class TransferStatus(Enum):
@@ -85,7 +86,7 @@ class Sender:
         self._metrics = metrics
         self._send = send
         self._writes: dict[int, _Write] = {}
-        self._aborted: OrderedDict[int, None] = OrderedDict()
+        self._aborted: OrderedDict[int, float] = OrderedDict()  # tag -> until when its write is refused
 
     async def stop(self, reason: str, peer: str | None = None) -> None:
         """Stop the writes (to `peer`, or all) and wait until none of them is in flight."""
@@ -102,7 +103,7 @@ class Sender:
         the CPU one WRITE); each notifies the peer with (tag, its components, WRITE i of n).
         Never raises for a bad request."""
         start = time.monotonic()
-        if tag in self._aborted:
+        if self._aborted.pop(tag, 0.0) > start:  # refused once: the same tag later is a request id used again
             return TransferResult(tag, peer, TransferStatus.ABORTED, error="receiver aborted the request")
         if not 0 <= tag <= MAX_TAG or tag in self._writes:
             return self.failed(tag, peer, f"request tag {tag} is not a u64 or already in flight")
@@ -141,7 +142,7 @@ class Sender:
             job.abort_requested = True
             job.halt("receiver aborted the request")
             return  # acknowledged by _finish
-        self._aborted[tag] = None
+        self._aborted[tag] = time.monotonic() + ABORTED_KEEP_S
         if len(self._aborted) > ABORTED_MEMORY:
             self._aborted.popitem(last=False)
         self._send(peer, Notice(Kind.ABORTED, tag))
