@@ -16,7 +16,7 @@ import torch
 from baton.proto import subjects
 from baton.proto.codec import decode as decode_message
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.internal import Heartbeat, LookupReply, LookupRequest, WorkerInfo
+from baton.proto.internal import Heartbeat, LookupReply, LookupRequest, WorkerInfo, WorkerLoad
 from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.up import Cluster, start_cluster, wait_http_ready, wait_ready
@@ -99,19 +99,27 @@ async def worker_loads(url: str) -> dict[str, tuple]:
     return {w.registration.worker_id: _load_row(w) for w in reply.workers}
 
 
-def _load_row(w: WorkerInfo) -> tuple:
-    return (w.registration.role, w.load.free_pages, w.registration.capacity.total_pages,
-            w.load.free_slots, w.registration.capacity.total_slots, w.load.active_requests,
-            w.load.requests_total)
+def _load_row(w: WorkerInfo, load: WorkerLoad | None = None) -> tuple:
+    """`load`: a fresher load than the registry's (a heartbeat's), if there is one."""
+    load = load or w.load
+    return (w.registration.role, load.free_pages, w.registration.capacity.total_pages,
+            load.free_slots, w.registration.capacity.total_slots, load.active_requests,
+            load.requests_total)
+
+
+def all_free(rows) -> bool:
+    """Every `_load_row` row has all its pages and slots free."""
+    return all(v[1] == v[2] and v[3] == v[4] for v in rows)
 
 
 async def wait_all_free(url: str, timeout_s: float = 20.0, min_requests: int = 0) -> dict:
     """Until every worker reports all pages and slots free and the decode workers together report
     at least `min_requests` requests taken. Heartbeats carry the loads, so what the registry holds
-    may be older than the call: every registered worker must also have sent a heartbeat since the
-    call (watched on the heartbeat subject) whose load is all free, so a stale "all free" cannot
-    pass. A lookup that gets no answer (a NATS route still recovering from a partition, a registry
-    restarting) is asked again. Returns the registry's loads, as `worker_loads` gives them."""
+    may be older than the call (seconds, on a loaded machine): every registered worker must also
+    have sent a heartbeat since the call (watched on the heartbeat subject). The loads judged and
+    returned are those heartbeats', and the registry must agree that all is free. A lookup that
+    gets no answer (a NATS route still recovering from a partition, a registry restarting) is asked
+    again. Returns the loads as `worker_loads` gives them."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     beats: dict[tuple[str, str], Heartbeat] = {}  # (worker id, instance id) -> its latest heartbeat since the call
 
@@ -119,12 +127,6 @@ async def wait_all_free(url: str, timeout_s: float = 20.0, min_requests: int = 0
         with contextlib.suppress(BatonError):
             beat = decode_message(msg.data, Heartbeat)
             beats[beat.worker_id, beat.instance_id] = beat
-
-    def beat_free(worker: WorkerInfo) -> bool:
-        reg = worker.registration
-        beat = beats.get((reg.worker_id, reg.instance_id))
-        return (beat is not None and beat.load.free_pages == reg.capacity.total_pages
-                and beat.load.free_slots == reg.capacity.total_slots)
 
     loads: dict | BatonError = {}
     async with await Bus.connect(url, "test-heartbeats") as watcher:
@@ -138,15 +140,16 @@ async def wait_all_free(url: str, timeout_s: float = 20.0, min_requests: int = 0
                     raise
                 loads = exc
             else:
-                loads = {w.registration.worker_id: _load_row(w) for w in workers}
+                fresh = [beats.get((w.registration.worker_id, w.registration.instance_id)) for w in workers]
+                loads = {w.registration.worker_id: _load_row(w, beat and beat.load) for w, beat in zip(workers, fresh)}
                 taken = sum(v[6] for v in loads.values() if v[0] == "decode")
-                if (taken >= min_requests and all(v[1] == v[2] and v[3] == v[4] for v in loads.values())
-                        and all(beat_free(w) for w in workers)):
+                if (None not in fresh and taken >= min_requests and all_free(loads.values())
+                        and all_free(_load_row(w) for w in workers)):
                     return loads
             if asyncio.get_running_loop().time() > deadline:
-                fresh = {wid: (b.load.free_pages, b.load.free_slots) for (wid, _), b in beats.items()}
+                seen = {wid: (b.load.free_pages, b.load.free_slots) for (wid, _), b in beats.items()}
                 raise AssertionError(f"capacity did not return to full: {loads}; heartbeats since the call "
-                                     f"(free pages, free slots): {fresh}")
+                                     f"(free pages, free slots): {seen}")
             await asyncio.sleep(0.25)
 
 
