@@ -56,6 +56,12 @@ class WorkerConfig:
         return cls(role, Path(cfg.model.path), cfg.worker)
 
 
+def use_threads(worker: WorkerSection) -> None:
+    """This process's torch threads from [worker] (0: torch's default); call before the model loads."""
+    if worker.threads:
+        torch.set_num_threads(worker.threads)
+
+
 def speculation(worker: WorkerSection) -> SpecConfig:
     """The engine's speculation settings from [worker] (where `spec` is mtp | off)."""
     return SpecConfig(worker.spec == "mtp", worker.draft_tokens, worker.draft_state)
@@ -71,10 +77,10 @@ class Worker:
     holds, close the bus)."""
 
     def __init__(self, bus: Bus, config: WorkerConfig, draft_windows: bool, copy_threads: int = 0) -> None:
-        """`draft_windows`: a draft window per slot (`KVStore.for_worker`); `copy_threads`: TransferAgent's, for parallel WRITEs."""
+        """`draft_windows`: a draft window per slot (`KVStore.for_worker`); `copy_threads`:
+        TransferAgent's, for parallel WRITEs."""
         w = config.worker
-        if w.threads:  # before the model loads
-            torch.set_num_threads(w.threads)
+        use_threads(w)
         self.bus, self.config = bus, config
         self.model = load_model(config.model, w.dtype, w.device)
         self.spec = speculation(w)

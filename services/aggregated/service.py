@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import torch
-
 from baton.proto import subjects
 from baton.proto.public import CancelRequest, GenerateRequest
 from baton.shared.bus import Bus
@@ -23,7 +21,7 @@ from baton.shared.model.checkpoint import load_model
 from baton.shared.model.tokenizer import TextTokenizer
 
 from ..router.service import Router
-from ..worker import WorkerConfig
+from ..worker import WorkerConfig, use_threads
 from .engine import PREFILL_TOKENS, AggregatedEngine, Job
 
 log = logging.getLogger("baton.aggregated")
@@ -57,8 +55,7 @@ class AggregatedService(Router):
 async def open_service(bus: Bus, config: WorkerConfig, prefill_tokens: int = PREFILL_TOKENS) -> AggregatedService:
     """Load the model, start the engine and serve the public subjects on `bus`."""
     w = config.worker
-    if w.threads:
-        torch.set_num_threads(w.threads)
+    use_threads(w)
     engine = AggregatedEngine(load_model(config.model, w.dtype, w.device), w, prefill_tokens)
     service = AggregatedService(bus, engine, TextTokenizer.load(config.model))
     await engine.start()
