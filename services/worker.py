@@ -82,7 +82,7 @@ class Worker:
         w = config.worker
         use_threads(w)
         self.bus, self.config = bus, config
-        self.model = load_model(config.model, w.dtype, w.device)
+        self.model = load_model(config.model, w.dtype, w.device, w.projection)
         self.spec = speculation(w)
         self.store = KVStore.for_worker(self.model.cfg, w, draft_enabled=draft_windows, dtype=self.model.dtype,
                                         device=self.model.device)

@@ -151,6 +151,9 @@ class WorkerSection:
                       flag="--device")
     dtype: str = key("float32", "model weights and KV cache: float32 (greedy output equals `transformers` "
                                 "fp32) or bfloat16", one_of("float32", "bfloat16"), flag="--dtype")
+    projection: str = key("auto", "CPU projection kernel: onednn (prepacked GEMM), blas (mm over the transposed "
+                                  "weight) or auto (whichever runs this model faster here, timed at load)",
+                          one_of("auto", "onednn", "blas"), flag="--projection")
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,22 @@ import torch
 
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
 from baton.shared.model.dense_attention import DenseAttention
+from baton.shared.model.layers import Linear, fastest_projection, onednn_packs
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.unit
 MODEL_DIR = Path(os.environ.get("BATON_TEST_MODEL", DEFAULT_MODEL_DIR))
 
 
-@pytest.fixture(scope="module")
-def ours():
-    return load_model(MODEL_DIR)
+KERNELS = ["blas", "onednn"] if onednn_packs(torch.float32) else ["blas"]
+
+
+@pytest.fixture(scope="module", params=KERNELS)
+def ours(request):
+    """The model with its projections on each kernel `load_model` may choose."""
+    model = load_model(MODEL_DIR, projection=request.param)
+    assert {m.kernel for m in model.modules() if isinstance(m, Linear)} == {request.param}
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +99,20 @@ def test_window_boundary_token_flip(ours):
         changed = [not torch.equal(a, b) for a, b in zip(base, outs)]
         assert changed[first_sliding] is sliding_changes, f"distance {distance}"
         assert changed[first_full], f"distance {distance}: full layer must see every earlier token"
+
+
+def test_auto_projection_picks_a_timed_kernel_and_packs_every_projection_for_it():
+    model = load_model(MODEL_DIR)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert model.projection in KERNELS
+    assert {m.kernel for m in linears} == {model.projection}
+    kernel, seconds = fastest_projection(linears)
+    assert set(seconds) == set(KERNELS) and kernel == min(seconds, key=seconds.get)
+    assert {m.kernel for m in linears} == {kernel}
+    x = torch.randn(5, model.cfg.hidden_size)
+    with torch.no_grad():
+        for m in linears[:3]:
+            if m.in_features == x.shape[1]:
+                assert torch.allclose(m(x), torch.nn.functional.linear(x, m.weight), atol=1e-5)
+    with pytest.raises(ValueError, match="projection kernel must be one of"):
+        linears[0].pack("mkl")

@@ -56,7 +56,7 @@ async def open_service(bus: Bus, config: WorkerConfig, prefill_tokens: int = PRE
     """Load the model, start the engine and serve the public subjects on `bus`."""
     w = config.worker
     use_threads(w)
-    engine = AggregatedEngine(load_model(config.model, w.dtype, w.device), w, prefill_tokens)
+    engine = AggregatedEngine(load_model(config.model, w.dtype, w.device, w.projection), w, prefill_tokens)
     service = AggregatedService(bus, engine, TextTokenizer.load(config.model))
     await engine.start()
     await service.start()

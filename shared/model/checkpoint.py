@@ -77,8 +77,9 @@ def engine_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(path: str | Path = DEFAULT_MODEL_DIR, dtype: str | torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> BatonLM:
-    """The checkpoint's model in `dtype` on `device`, in eval mode, projections packed (CPU)."""
+               device: str | torch.device = "cpu", projection: str = "auto") -> BatonLM:
+    """The checkpoint's model in `dtype` on `device`, in eval mode, projections packed for the
+    `projection` kernel (CPU; "auto": the fastest here, see `Linear`)."""
     path = Path(path)
     check_files(path)
     try:
@@ -87,7 +88,7 @@ def load_model(path: str | Path = DEFAULT_MODEL_DIR, dtype: str | torch.dtype = 
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
     model = BatonLM(cfg)
     load_weights(model, path / "model.safetensors")
-    return model.to(engine_device(device), engine_dtype(dtype)).eval().pack()
+    return model.to(engine_device(device), engine_dtype(dtype)).eval().pack(projection)
 
 
 def save_model(model: BatonLM, path: str | Path) -> None:

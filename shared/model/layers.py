@@ -15,6 +15,7 @@ product (tests/test_model_reference.py compares against `transformers`).
 from __future__ import annotations
 
 import functools
+import time
 from typing import Protocol
 
 import torch
@@ -56,6 +57,7 @@ class RMSNorm(nn.Module):
 
 # the overload itself: calling the packet resolves it on every call (a few us, ~55 times a decode step)
 PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+PROJECTION_KERNELS = ("onednn", "blas")  # what `Linear.pack` can run; "auto" picks one by timing it
 
 
 @functools.cache
@@ -72,25 +74,69 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Linear):
-    """A bias-free projection. After `pack()` (done by `load_model` on the CPU), inference runs
-    through oneDNN's prepacked fp32 GEMM: for the few-row products of decode it streams the
-    weight about 2-4x faster than the default BLAS call, whose time is mostly reading the weight
-    from memory (docs/benchmarks.md). Results agree with F.linear to rounding (a different
-    summation order). Training and grad-enabled calls always use F.linear."""
+    """A bias-free projection. After `pack(kernel)` (done by `load_model` on the CPU), inference
+    runs through one of two kernels, whichever this CPU runs faster (`fastest_projection`):
+    `onednn`, oneDNN's prepacked GEMM, or `blas`, torch.mm over the weight stored transposed
+    ([in, out], contiguous). For the few-row products of decode the time is mostly reading the
+    weight from memory, and which kernel streams it faster depends on the CPU: on the AMD EPYC
+    VMs this project ran on, oneDNN by 2-4x; on Intel Sapphire Rapids, BLAS by 1.7x
+    (docs/benchmarks.md). Results agree with F.linear to rounding (another summation order).
+    Training and grad-enabled calls always use F.linear."""
 
     packed: torch.Tensor | None = None
+    kernel: str | None = None
 
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__(d_in, d_out, bias=False)
 
-    def pack(self) -> None:
-        """Prepack the current weight (call again after changing it)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 4)
+    def pack(self, kernel: str) -> None:
+        """Prepare the current weight for `kernel` (call again after changing it)."""
+        weight = self.weight.detach()
+        if kernel == "onednn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 4)
+        elif kernel == "blas":
+            self.packed = weight.t().contiguous()  # [in, out]
+        else:
+            raise ValueError(f"projection kernel must be one of {PROJECTION_KERNELS}, got {kernel!r}")
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and not torch.is_grad_enabled():
+        if self.packed is None or torch.is_grad_enabled():
+            return F.linear(x, self.weight)
+        if self.kernel == "onednn":
             return PACKED_LINEAR(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
+        return x.mm(self.packed) if x.dim() == 2 else x.matmul(self.packed)  # [..., in] @ [in, out]
+
+
+def fastest_projection(linears: list[Linear], rows: tuple[int, ...] = (1, 16), rounds: int = 3) -> tuple[str, dict]:
+    """The kernel that runs these projections fastest on this CPU, and each candidate's time:
+    every projection once at each row count (decode's one-row drafts, a verify of several rows),
+    best of `rounds`. Leaves the projections packed for the winner."""
+    dtype = linears[0].weight.dtype
+    candidates = [k for k in PROJECTION_KERNELS if k != "onednn" or onednn_packs(dtype)]
+    inputs = {(r, n): torch.full((r, n), 0.5, dtype=dtype, device="cpu") for r in rows for n in {m.in_features for m in linears}}
+    seconds = {}
+    for kernel in candidates:
+        for m in linears:
+            m.pack(kernel)
+        with torch.inference_mode():
+            for r in rows:  # warm up
+                for m in linears:
+                    m.forward(inputs[r, m.in_features])
+            seconds[kernel] = min(_timed(linears, inputs, rows) for _ in range(rounds))
+    best = min(seconds, key=seconds.get)
+    if best != candidates[-1]:
+        for m in linears:
+            m.pack(best)
+    return best, seconds
+
+
+def _timed(linears: list[Linear], inputs: dict, rows: tuple[int, ...]) -> float:
+    start = time.perf_counter()
+    for r in rows:
+        for m in linears:
+            m.forward(inputs[r, m.in_features])
+    return time.perf_counter() - start
 
 
 class FusedLinear(Linear):

@@ -12,11 +12,15 @@ MTP j:   entry at position p takes (h_{p-1}, token_p) and predicts token_{p+1}:
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Attention, DecoderLayer, Linear, RMSNorm, Rotary, SelfAttention, onednn_packs
+from .layers import Attention, DecoderLayer, Linear, RMSNorm, Rotary, SelfAttention, fastest_projection
+
+log = logging.getLogger(__name__)
 
 
 class MTPLayer(nn.Module):
@@ -46,6 +50,8 @@ class MTPModel(nn.Module):
 
 
 class BatonLM(nn.Module):
+    projection: str | None = None  # the CPU projection kernel `pack` chose
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -88,11 +94,22 @@ class BatonLM(nn.Module):
         x = mtp.eh_proj.forward(torch.cat((emb, mtp.hnorm.forward(prev_hidden)), dim=-1))  # [T, 2d] -> [T, d]
         return mtp.block.forward(x, rope, attn)
 
-    def pack(self) -> "BatonLM":
-        """Prepack every projection for CPU inference (see `Linear`) and cache the fused q/k norm
-        weights; call again after changing weights."""
-        onednn = all(p.device.type == "cpu" for p in self.parameters()) and onednn_packs(self.dtype)
+    def pack(self, projection: str = "auto") -> "BatonLM":
+        """Cache the fused q/k norm weights and, on the CPU, prepare every projection for the
+        `projection` kernel (`Linear`; "auto": the one this CPU runs fastest, timed here);
+        call again after changing weights. The kernel chosen and the times are in `self.projection`."""
         for module in self.modules():
-            if isinstance(module, SelfAttention) or (onednn and isinstance(module, Linear)):
+            if isinstance(module, SelfAttention):
                 module.pack()
+        if any(p.device.type != "cpu" for p in self.parameters()):
+            return self
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if projection == "auto":
+            projection, seconds = fastest_projection(linears)
+            log.info("projections: %s (timed at load: %s)", projection,
+                     ", ".join(f"{k} {1e3 * s:.2f} ms" for k, s in seconds.items()))
+        else:
+            for m in linears:
+                m.pack(projection)
+        self.projection = projection
         return self
