@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.kernels import cpu_fused
+
 from .config import ModelConfig
 
 
@@ -34,15 +36,9 @@ class Attention(Protocol):
         """
 
 
-def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dimension, computed in fp32."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), eps=eps)
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
-    """weight * x / rms(x) in fp32, as `transformers`' Qwen3RMSNorm (F.rms_norm is bitwise equal)."""
+    """weight * x / rms(x) in fp32, as `transformers`' Qwen3RMSNorm (kernels/cpu_fused.py: one fused
+    call on the CPU, its reference elsewhere)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -50,9 +46,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # weight * normalised x, fused (bitwise the same)
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.weight * rms(x, self.eps)
+        return cpu_fused.rms_norm(x, self.weight, self.eps)
 
 
 # the overload itself: calling the packet resolves it on every call (a few us, ~55 times a decode step)
@@ -171,9 +165,9 @@ def _parent(prefix: str) -> str:
 
 class Rotary(nn.Module):
     """Default (unscaled) RoPE from a table computed once, exactly as `transformers` computes it
-    in fp32 (position * inv_freq, then cos / sin). The rotation is applied as
-    x * cos + roll(x, D/2) * sin_signed, with sin_signed = (-sin_1, sin_2): bitwise the same as
-    x * cos + rotate_half(x) * sin, in four ops."""
+    in fp32 (position * inv_freq, then cos / sin). The rotation (`cpu_fused.qk_norm_rope`, with
+    the q/k norms) is x * cos + roll(x, D/2) * sin_signed, with sin_signed = (-sin_1, sin_2):
+    bitwise the same as x * cos + rotate_half(x) * sin."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
@@ -200,11 +194,6 @@ class Rotary(nn.Module):
         return (cos, sin) if cos.dtype == dtype else (cos.to(dtype), sin.to(dtype))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos, sin_signed: [T, 1, D], in x's dtype
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
-
-
 class SelfAttention(nn.Module):
     packed_norm_weight: torch.Tensor | None = None
 
@@ -221,8 +210,7 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention) -> torch.Tensor:
         T, H, Hkv = x.shape[0], self.heads, self.kv_heads
         qkv = self.qkv_proj.forward(x).view(T, H + 2 * Hkv, self.head_dim)  # [T, H + 2Hkv, D]
-        qk = rms(qkv[:, :H + Hkv], self.q_norm.eps) * self.qk_norm_weight()  # [T, H + Hkv, D]
-        qk = apply_rope(qk, *rope)
+        qk = cpu_fused.qk_norm_rope(qkv, self.qk_norm_weight(), *rope, self.q_norm.eps)  # [T, H + Hkv, D] normed, rotated
         out = attn(self.layer_id, qk[:, :H], qk[:, H:], qkv[:, H + Hkv:])  # [T, H, D]
         return self.o_proj.forward(out.reshape(T, H * self.head_dim))
 
@@ -259,5 +247,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention) -> torch.Tensor:
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, attn)  # [T, d]
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        post = self.post_attention_layernorm
+        x, h = cpu_fused.add_rms_norm(x, self.self_attn.forward(self.input_layernorm.forward(x), rope, attn),
+                                      post.weight, post.eps)  # x + attention, its norm: [T, d] each
+        return x + self.mlp.forward(h)

@@ -17,6 +17,8 @@ import logging
 import torch
 from torch import nn
 
+from baton.kernels import cpu_fused
+
 from .config import ModelConfig
 from .layers import Attention, DecoderLayer, Linear, RMSNorm, Rotary, SelfAttention, fastest_projection
 
@@ -103,6 +105,8 @@ class BatonLM(nn.Module):
                 module.pack()
         if any(p.device.type != "cpu" for p in self.parameters()):
             return self
+        if self.dtype == torch.float32:
+            cpu_fused.available()  # built now (or found in its cache), not inside the first step
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if projection == "auto":
             projection, seconds = fastest_projection(linears)

@@ -1,0 +1,112 @@
+"""Fused CPU ops for the decode step (`cpu_fused.cpp`), each with its torch reference.
+
+At decode sizes a forward is mostly eager PyTorch's per-op cost: `F.rms_norm` of one row is 6-8
+dispatched ops (~18 us here), a layer's q/k norm and RoPE a dozen more. These ops do the same
+arithmetic in one call each (~2-4 us), on contiguous float32 CPU tensors:
+
+    rms_norm(x, w, eps)                    x [N, d], w [d] -> w * x / rms(x)            [N, d]
+    add_rms_norm(x, delta, w, eps)         -> (x + delta, rms_norm(x + delta, w, eps))  [N, d] x2
+    qk_norm_rope(qkv, w, cos, sin, eps)    qkv [T, A, D], w [heads, D], cos/sin [T, D]
+                                           -> the first `heads` heads normed and rotated [T, heads, D]
+
+Results agree with the references to float rounding (another summation order), as oneDNN's or
+BLAS's GEMMs agree with F.linear. The extension is compiled by torch.utils.cpp_extension the first
+time a process asks for it (~25 s on 2 cores; `scripts/bootstrap.sh` does it once) and cached under
+$TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). Where it cannot be built (no C++
+compiler or ninja), or with BATON_KERNELS=torch (read once per process), or for tensors it does
+not take (bfloat16, CUDA, non-contiguous, autograd), the references run: same results to
+rounding, slower.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from baton.kernels.dispatch import kernel_mode
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_fused.cpp")
+
+
+@functools.cache
+def extension():
+    """The compiled module, built on first call (and cached on disk); None where it cannot be built."""
+    try:
+        import ninja  # the pip package: torch's build calls `ninja`, which may not be on PATH
+        from torch.utils import cpp_extension
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        start = time.perf_counter()
+        module = cpp_extension.load("baton_cpu_fused", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                                    extra_ldflags=["-fopenmp"])
+    except Exception as exc:  # noqa: BLE001 - any build failure means: run the references
+        log.warning("fused CPU ops unavailable, running their torch references: %s", str(exc).strip()[:500])
+        return None
+    log.info("fused CPU ops ready in %.1f s", time.perf_counter() - start)
+    return module
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the fused ops run in this process: built, and not turned off by BATON_KERNELS=torch
+    (read once, at the first call)."""
+    return kernel_mode() != "torch" and extension() is not None
+
+
+def _takes(x: torch.Tensor) -> bool:
+    """The op's main input decides; the others are its weights and tables, of the same dtype and
+    device (the extension refuses anything else by name)."""
+    return x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and not torch.is_grad_enabled() and available()
+
+
+# --- references --------------------------------------------------------------------------------
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, computed in fp32."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), eps=eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' Qwen3RMSNorm (F.rms_norm with the weight is bitwise the same in fp32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return w * rms(x, eps)
+
+
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + delta
+    return total, rms_norm_reference(total, w, eps)
+
+
+def qk_norm_rope_reference(qkv: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           eps: float) -> torch.Tensor:
+    heads, D = w.shape
+    normed = rms(qkv[:, :heads], eps) * w  # [T, heads, D]
+    cos, sin = cos.view(-1, 1, D), sin.view(-1, 1, D)  # [T, 1, D]: the same for every head
+    return normed * cos + normed.roll(D // 2, dims=-1) * sin
+
+
+# --- dispatch points -----------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if _takes(x):
+        return extension().rms_norm(x, w, eps)
+    return rms_norm_reference(x, w, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if _takes(x):
+        return extension().add_rms_norm(x, delta, w, eps)
+    return add_rms_norm_reference(x, delta, w, eps)
+
+
+def qk_norm_rope(qkv: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    if _takes(qkv):
+        return extension().qk_norm_rope(qkv, w, cos, sin, eps)
+    return qk_norm_rope_reference(qkv, w, cos, sin, eps)

@@ -1,0 +1,97 @@
+"""The fused CPU ops (kernels/cpu_fused.cpp) against their torch references, and the dispatch rule."""
+import shutil
+
+import pytest
+import torch
+
+from baton.kernels import cpu_fused
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if cpu_fused.extension() is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail("a C++ compiler is here but the fused CPU ops did not build (see the log)")
+        pytest.skip("no C++ compiler: the references run instead")
+    return cpu_fused.extension()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 97])
+def test_rms_norm_and_its_residual_form_match_the_reference(ext, rows):
+    g = torch.Generator().manual_seed(rows)
+    x, delta, w = torch.randn(rows, 256, generator=g), torch.randn(rows, 256, generator=g), torch.randn(256, generator=g)
+    with torch.inference_mode():
+        assert close(ext.rms_norm(x, w, 1e-6), cpu_fused.rms_norm_reference(x, w, 1e-6))
+        total, normed = ext.add_rms_norm(x, delta, w, 1e-6)
+        ref_total, ref_normed = cpu_fused.add_rms_norm_reference(x, delta, w, 1e-6)
+    assert torch.equal(total, ref_total) and close(normed, ref_normed)
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_qk_norm_rope_matches_the_reference(ext, tokens):
+    """qkv [T, H + 2Hkv, D]: the first H + Hkv heads are normed with their own weight rows and rotated
+    by each token's cos / sin rows; the value heads are not touched."""
+    H, Hkv, D = 4, 2, 64
+    g = torch.Generator().manual_seed(tokens)
+    qkv, w = torch.randn(tokens, H + 2 * Hkv, D, generator=g), torch.randn(H + Hkv, D, generator=g)
+    angles = torch.rand(tokens, D // 2, generator=g) * 6.28
+    cos = torch.cat((angles, angles), -1).cos()[:, None, :]  # [T, 1, D] as Rotary hands them out
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)[:, None, :]
+    with torch.inference_mode():
+        got = ext.qk_norm_rope(qkv, w, cos, sin, 1e-6)
+        assert close(got, cpu_fused.qk_norm_rope_reference(qkv, w, cos, sin, 1e-6))
+        assert got.shape == (tokens, H + Hkv, D)
+
+
+def test_the_extension_refuses_what_it_does_not_compute_by_name(ext):
+    x, w = torch.randn(2, 8), torch.randn(8)
+    with pytest.raises(RuntimeError, match="contiguous float32 CPU tensor"):
+        ext.rms_norm(x.t().contiguous().t(), w, 1e-6)
+    with pytest.raises(RuntimeError, match="w: expected 8 elements"):
+        ext.rms_norm(x, torch.randn(4), 1e-6)
+
+
+def test_dispatch_runs_the_reference_for_what_the_kernels_do_not_take(ext):
+    """bfloat16, non-contiguous inputs and autograd go to the reference, bit for bit."""
+    x, w = torch.randn(3, 256), torch.randn(256)
+    with torch.inference_mode():
+        low = x.bfloat16()
+        assert torch.equal(cpu_fused.rms_norm(low, w.bfloat16(), 1e-6), cpu_fused.rms_norm_reference(low, w.bfloat16(), 1e-6))
+        strided = torch.randn(256, 3).t()
+        assert torch.equal(cpu_fused.rms_norm(strided, w, 1e-6), cpu_fused.rms_norm_reference(strided, w, 1e-6))
+    w.requires_grad_(True)
+    out = cpu_fused.rms_norm(x, w, 1e-6)
+    assert out.grad_fn is not None  # the reference, differentiable
+
+
+def test_the_model_runs_the_fused_ops_when_they_are_built(ext, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_fused, "extension", lambda: _Counting(ext, calls))
+    cpu_fused.available.cache_clear()
+    try:
+        from baton.shared.model.checkpoint import load_model
+        from baton.shared.model.dense_attention import DenseAttention
+        model = load_model()
+        ids = torch.arange(5, 21)
+        with torch.inference_mode():
+            model.logits(model.forward_hidden(ids, torch.arange(16), DenseAttention(model.cfg, 1, 16)))
+    finally:
+        cpu_fused.available.cache_clear()
+    layers = model.cfg.num_hidden_layers
+    assert calls.count("qk_norm_rope") == layers and calls.count("add_rms_norm") == layers
+    assert calls.count("rms_norm") == layers + 1  # each layer's input norm, then the final norm
+
+
+class _Counting:
+    def __init__(self, ext, calls: list) -> None:
+        self._ext, self._calls = ext, calls
+
+    def __getattr__(self, name):
+        self._calls.append(name)
+        return getattr(self._ext, name)
