@@ -266,9 +266,12 @@ def test_plan_regions_arrive_byte_exact(prefill):
     items and the aux row in one WRITE, enough for a sender with copy threads to cut it into
     chunks copied by different threads."""
     async def scenario(decode: Decode, name: str):
-        a = await start_request(prefill, decode, name, 3, 7)
-        b = await start_request(prefill, decode, name, 14, 18)
-        c = await start_request(prefill, decode, name, 16, 23)
+        # all three allocated before any WRITE: prefill frees a request's slots when its WRITE is
+        # done, and a later allocation could take them and overwrite the source bytes read below
+        a, b, c = [await start_request(prefill, decode, name, first, last, write=False)
+                   for first, last in ((3, 7), (14, 18), (16, 23))]
+        a, b, c = [(tag, descriptors, prefill.send("write", name, descriptors, tag, 5.0))
+                   for tag, descriptors, _ in (a, b, c)]
         assert len([d for d in b[1] if d.component_key == RING]) == 4  # two runs per layer
         item_bytes = {key: g[2] for key, g in GEOMETRY.items()}
         assert len([d for d in c[1] if d.nbytes == item_bytes[d.component_key]]) >= SPLIT_DESCRIPTORS
