@@ -16,6 +16,7 @@ was overwritten:
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,9 +50,14 @@ class _PoolMeta:
 
 
 class StoreAttention:
-    def __init__(self, store: KVStore, chunks: list[Chunk], layer_ids: list[int]) -> None:
+    def __init__(self, store: KVStore, chunks: list[Chunk], layer_ids: list[int], *, extend_first: bool = False) -> None:
+        """`extend_first`: extend every request to its chunks' end before planning the reads (`chain`)."""
         self.store, self.chunks = store, chunks
         reqs = [store.request(c.request_id) for c in chunks]
+        if extend_first:
+            for c, r in zip(chunks, reqs):
+                if r.length < c.start + c.n:
+                    store.extend(c.request_id, c.start + c.n)
         for c, r in zip(chunks, reqs):
             if not 0 <= c.start <= r.length:
                 raise KVError(f"request {c.request_id!r}: a chunk at {c.start} leaves a gap after "
@@ -80,6 +86,35 @@ class StoreAttention:
                 store.extend(c.request_id, c.start + c.n)
         for key in pools:
             self._meta[key].write_rows, self._meta[key].write_tokens = self._writes(key, reqs)
+
+    @classmethod
+    def chain(cls, store: KVStore, chunks: list[Chunk], layer_ids: list[int], steps: int) -> list["StoreAttention"]:
+        """A draft chain's metadata in one pass: `steps` forwards of one new token per chunk, the
+        j-th at c.start + j (chunks of n = 1), one StoreAttention each. The chain's last position
+        is reserved (extended to) before any read is planned; that is safe because the chain spans
+        fewer positions than sliding storage keeps beyond the window (W + K), so no position a
+        step reads falls below a request's floor (`_read_floors` refuses one that would)."""
+        B = len(chunks)
+        if steps == 0 or B == 0:
+            return []
+        flat = [Chunk(c.request_id, c.start + j, 1, c.floor) for j in range(steps) for c in chunks]
+        whole = cls(store, flat, layer_ids, extend_first=True)
+        return [whole._rows(j * B, (j + 1) * B) for j in range(steps)]
+
+    def _rows(self, lo: int, hi: int) -> "StoreAttention":
+        """The forward of chunks lo..hi-1 alone (one token each): a view of this one's metadata."""
+        part = copy.copy(self)
+        part.chunks = self.chunks[lo:hi]
+        part._q_pos, part.q_pos = self._q_pos[lo:hi], self.q_pos[lo:hi]
+        part._positions, part.positions = self._positions[lo:hi], self.positions[lo:hi]
+        part.max_position = int(part._positions.max())
+        part._meta = {}
+        for key, meta in self._meta.items():
+            if meta.write_tokens is not None:
+                raise KVError(f"{key.name}: a chain step would write below a request's floor")
+            part._meta[key] = _PoolMeta(meta.window, meta.old_rows[lo:hi], meta.old_pos[lo:hi], meta.mask[lo:hi],
+                                        meta.write_rows[lo:hi])
+        return part
 
     def _device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)

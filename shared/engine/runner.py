@@ -277,6 +277,8 @@ class ModelRunner:
         g = self._draft(chunks, ids, torch.cat([s.pending_hidden for s in chain]))
         ends = self._host_index([end - 1 for end in accumulate(c.n for c in chunks)])  # each chunk's last row
         last = g.index_select(0, ends)  # [B', d]
+        steps = StoreAttention.chain(self.store, [Chunk(s.request_id, s.length + 1, 1, floor=s.draft_floor)
+                                                  for s in chain], [self.draft_layer], K - 1)
         columns = []
         for j in range(K):
             logits = self.model.logits(last)  # [B', V]
@@ -290,8 +292,8 @@ class ModelRunner:
                 q[s_draws, j] = p
             columns.append(token)
             if j + 1 < K:  # chain: the draft's own hidden state stands in for the target's
-                chunks = [Chunk(s.request_id, s.length + j + 1, 1, floor=s.draft_floor) for s in chain]
-                last = self._draft(chunks, token, last)
+                attn = steps[j]
+                last = self.model.draft_hidden(last, token, attn.positions, attn, max_position=attn.max_position)
         drafted = torch.stack(columns, 1)  # [B', K]
         if len(live) == B:
             return drafted, q
