@@ -46,7 +46,8 @@ def chunk_mask(q_pos, old_pos, window):
 
 def attend(q, kv, mask):
     """q [B, Q, H, D], kv [B, M+Q, 2, Hkv, D] (cached keys/values, then the chunk's own), mask
-    [B, 1, Q, M+Q] -> [B, Q, H, D]. GQA reads each KV head once (enable_gqa), no copies."""
+    [B, 1, Q, M+Q] (True where a query sees a key, or SDPA's additive 0 / -inf) -> [B, Q, H, D].
+    GQA reads each KV head once (enable_gqa), no copies."""
     keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, Hkv, M+Q, D]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2)  # [B, Q, H, D]

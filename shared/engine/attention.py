@@ -44,7 +44,7 @@ class _PoolMeta:
     window: int | None
     old_rows: torch.Tensor  # [B, M] cache rows of the earlier positions each chunk may see
     old_pos: torch.Tensor  # [B, M] their positions, -1 where not visible
-    mask: torch.Tensor  # [B, 1, Q, M+Q] which keys (cached, then the chunk's own) each query sees
+    mask: torch.Tensor  # [B, 1, Q, M+Q] which keys (cached, then the chunk's own) each query sees: 0 or -inf
     write_rows: torch.Tensor | None = None  # [W] rows the new K/V go to
     write_tokens: torch.Tensor | None = None  # [W] which flat tokens those are; None: all of them
 
@@ -120,6 +120,12 @@ class StoreAttention:
         tensor = torch.from_numpy(array)
         return tensor if self.store.device.type == "cpu" else tensor.to(self.store.device, non_blocking=True)
 
+    def _additive(self, allowed: np.ndarray) -> torch.Tensor:
+        """A boolean mask as SDPA's additive one (0 / -inf, in the cache's dtype): SDPA turns a
+        boolean mask into this itself, in two more ops per layer call."""
+        mask = torch.from_numpy(np.where(allowed, np.float32(0), np.float32(-np.inf)))
+        return mask.to(self.store.device, self.store.dtype, non_blocking=True)
+
     # --- metadata (once per forward and pool, on the host) ------------------------------------
     def _read_floors(self, key: PoolKey, reqs) -> np.ndarray:
         """Lowest cached position each chunk reads in this pool, [B]."""
@@ -156,7 +162,7 @@ class StoreAttention:
         old_pos = np.where((pos >= low[:, None]) & (pos < starts), pos, -1)  # [B, M]
         window = self.store.windows[key]
         return _PoolMeta(window, self._device(rows), self._device(old_pos),
-                         self._device(chunk_mask(self._q_pos, old_pos, window)[:, None]))
+                         self._additive(chunk_mask(self._q_pos, old_pos, window)[:, None]))
 
     def _writes(self, key: PoolKey, reqs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows of the new tokens' K/V after the extend; sliding pools keep only what storage holds
