@@ -61,7 +61,8 @@ def available() -> bool:
 def _takes(x: torch.Tensor) -> bool:
     """The op's main input decides; the others are its weights and tables, of the same dtype and
     device (the extension refuses anything else by name)."""
-    return x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and not torch.is_grad_enabled() and available()
+    return (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and not torch.is_grad_enabled()
+            and available())
 
 
 # --- references --------------------------------------------------------------------------------
@@ -100,13 +101,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, w, eps)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if _takes(x):
         return extension().add_rms_norm(x, delta, w, eps)
     return add_rms_norm_reference(x, delta, w, eps)
 
 
-def qk_norm_rope(qkv: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+def qk_norm_rope(qkv: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float) -> torch.Tensor:
     if _takes(qkv):
         return extension().qk_norm_rope(qkv, w, cos, sin, eps)
     return qk_norm_rope_reference(qkv, w, cos, sin, eps)

@@ -44,13 +44,14 @@ class _PoolMeta:
     window: int | None
     old_rows: torch.Tensor  # [B, M] cache rows of the earlier positions each chunk may see
     old_pos: torch.Tensor  # [B, M] their positions, -1 where not visible
-    mask: torch.Tensor  # [B, 1, Q, M+Q] which keys (cached, then the chunk's own) each query sees: 0 or -inf
+    mask: torch.Tensor  # [B, 1, Q, M+Q] 0 where a query sees a key (cached, then the chunk's own), else -inf
     write_rows: torch.Tensor | None = None  # [W] rows the new K/V go to
     write_tokens: torch.Tensor | None = None  # [W] which flat tokens those are; None: all of them
 
 
 class StoreAttention:
-    def __init__(self, store: KVStore, chunks: list[Chunk], layer_ids: list[int], *, extend_first: bool = False) -> None:
+    def __init__(self, store: KVStore, chunks: list[Chunk], layer_ids: list[int], *,
+                 extend_first: bool = False) -> None:
         """`extend_first`: extend every request to its chunks' end before planning the reads (`chain`)."""
         self.store, self.chunks = store, chunks
         reqs = [store.request(c.request_id) for c in chunks]
@@ -88,7 +89,8 @@ class StoreAttention:
             self._meta[key].write_rows, self._meta[key].write_tokens = self._writes(key, reqs)
 
     @classmethod
-    def chain(cls, store: KVStore, chunks: list[Chunk], layer_ids: list[int], steps: int) -> list["StoreAttention"]:
+    def chain(cls, store: KVStore, chunks: list[Chunk], layer_ids: list[int],
+              steps: int) -> list["StoreAttention"]:
         """A draft chain's metadata in one pass: `steps` forwards of one new token per chunk, the
         j-th at c.start + j (chunks of n = 1), one StoreAttention each. The chain's last position
         is reserved (extended to) before any read is planned; that is safe because the chain spans

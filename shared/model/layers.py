@@ -108,7 +108,8 @@ def fastest_projection(linears: list[Linear], rows: tuple[int, ...] = (1, 16), r
     best of `rounds`. Leaves the projections packed for the winner."""
     dtype = linears[0].weight.dtype
     candidates = [k for k in PROJECTION_KERNELS if k != "onednn" or onednn_packs(dtype)]
-    inputs = {(r, n): torch.full((r, n), 0.5, dtype=dtype, device="cpu") for r in rows for n in {m.in_features for m in linears}}
+    widths = {m.in_features for m in linears}
+    inputs = {(r, n): torch.full((r, n), 0.5, dtype=dtype, device="cpu") for r in rows for n in widths}
     seconds = {}
     for kernel in candidates:
         for m in linears:
@@ -210,7 +211,8 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention) -> torch.Tensor:
         T, H, Hkv = x.shape[0], self.heads, self.kv_heads
         qkv = self.qkv_proj.forward(x).view(T, H + 2 * Hkv, self.head_dim)  # [T, H + 2Hkv, D]
-        qk = cpu_fused.qk_norm_rope(qkv, self.qk_norm_weight(), *rope, self.q_norm.eps)  # [T, H + Hkv, D] normed, rotated
+        # q and k heads normed and rotated: [T, H + Hkv, D]
+        qk = cpu_fused.qk_norm_rope(qkv, self.qk_norm_weight(), *rope, self.q_norm.eps)
         out = attn(self.layer_id, qk[:, :H], qk[:, H:], qkv[:, H + Hkv:])  # [T, H, D]
         return self.o_proj.forward(out.reshape(T, H * self.head_dim))
 
