@@ -1,0 +1,88 @@
+"""The CPU kernels a decode step runs, each against its alternative, on this machine.
+
+    python bench/cpu_ops.py --threads 1 --json out/cpu_ops.json
+
+Projections: every projection of the shipped model (QKV, o, gate/up, down, MTP eh_proj, LM
+head) through each kernel `Linear.pack` can run (oneDNN's prepacked GEMM, BLAS mm over the
+transposed weight), in turn, so that the weights are as cold as in a step; us per projection,
+best of 5, at 1, 16 and 96 rows (a draft forward at batch 1 and 16, a verify at batch 16, k = 5).
+Fused ops: each of kernels/cpu_fused.py's ops against its torch reference, us per call, best of
+5, at the row counts of a step. `load_model`'s own choice (`projection=auto`) is printed too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from baton.kernels import cpu_fused
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
+from baton.shared.model.layers import PROJECTION_KERNELS, Linear, onednn_packs
+
+
+def best_us(fn, calls: int, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best / calls * 1e6
+
+
+def projections(model, rows: list[int]) -> dict:
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    kernels = [k for k in PROJECTION_KERNELS if k != "onednn" or onednn_packs(torch.float32)]
+    out = {}
+    for kernel in kernels:
+        for m in linears:
+            m.pack(kernel)
+        for r in rows:
+            xs = [torch.randn(r, m.in_features) for m in linears]
+            out[f"{kernel}@{r}"] = best_us(lambda: [m.forward(x) for m, x in zip(linears, xs)], len(linears))
+    model.pack(model.projection)  # back to load_model's choice
+    return out
+
+
+def fused_ops(rows: list[int]) -> dict:
+    ext, out = cpu_fused.extension(), {}
+    if ext is None:
+        return out
+    for r in rows:
+        x, d, w = torch.randn(r, 256), torch.randn(r, 256), torch.randn(256)
+        qkv, wq, cos, sin = torch.randn(r, 8, 64), torch.randn(6, 64), torch.randn(r, 1, 64), torch.randn(r, 1, 64)
+        cases = {"rms_norm": ((x, w, 1e-6), cpu_fused.rms_norm_reference, ext.rms_norm),
+                 "add_rms_norm": ((x, d, w, 1e-6), cpu_fused.add_rms_norm_reference, ext.add_rms_norm),
+                 "qk_norm_rope": ((qkv, wq, cos, sin, 1e-6), cpu_fused.qk_norm_rope_reference, ext.qk_norm_rope)}
+        for name, (args, reference, fused) in cases.items():
+            out[f"{name}@{r}"] = {"reference": best_us(lambda: [reference(*args) for _ in range(200)], 200),
+                                  "fused": best_us(lambda: [fused(*args) for _ in range(200)], 200)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(DEFAULT_MODEL_DIR)
+    with torch.inference_mode():
+        result = {"threads": args.threads, "auto_choice": model.projection,
+                  "projections_us": projections(model, [1, 16, 96]), "fused_us": fused_ops([1, 6, 16, 96])}
+    print(f"projections, us each (load_model chose {model.projection}):")
+    for key, us in result["projections_us"].items():
+        print(f"  {key:<12} {us:8.1f}")
+    print("fused ops, us per call: torch reference / fused")
+    for key, r in result["fused_us"].items():
+        print(f"  {key:<18} {r['reference']:8.1f} / {r['fused']:6.1f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
