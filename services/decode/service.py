@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
@@ -65,7 +67,7 @@ class DecodeWorker(Worker):
         self.requests_total = 0
         self.requests: dict[int, Request] = {}  # by tag
         self.wake = asyncio.Event()
-        self._running: tuple[list[tuple[int, Request]], float, asyncio.Future] | None = None  # the step in flight
+        self._changed = threading.Event()  # the batch must change: the engine thread's run returns (`_run`)
         self.probe_prefix = bus.connection.new_inbox()  # <prefix>.<tag>: the reply subject of a request's chunks
         self._loops: list[asyncio.Task] = []
 
@@ -104,6 +106,7 @@ class DecodeWorker(Worker):
             await asyncio.sleep(0.05)
         for req in list(self.requests.values()):
             req.abort = req.abort or "decode worker shutting down"
+        self._batch_changed()
 
     async def _peer_left(self, worker_id: str) -> None:
         self.peers.discard(worker_id)
@@ -206,6 +209,11 @@ class DecodeWorker(Worker):
         req.abort, req.released_as = reason, finish_reason
         if not req.started:
             self.agent.arrivals.abort(tag, req.abort)
+        self._batch_changed()
+
+    def _batch_changed(self) -> None:
+        """A request joins or leaves the batch: the run in flight returns after its step."""
+        self._changed.set()
         self.wake.set()
 
     # --- arrivals -------------------------------------------------------------------------
@@ -220,6 +228,7 @@ class DecodeWorker(Worker):
                 if req.abort:
                     await self._finish(event.tag, req, "abort")
                     continue
+                self._changed.set()  # the run in flight returns, so that the engine thread takes _start
                 if req.seq.logprobs is None:
                     await self._publish_first(req, first_token_at(req.aux_address))
                     await asyncio.sleep(0)  # nats-py writes it on the next turn: before the engine takes the GIL
@@ -229,7 +238,7 @@ class DecodeWorker(Worker):
                     await self._publish_first(req, req.seq.output[0])
                 req.started = True
                 req.at.mark("started")
-                self.wake.set()
+                self._batch_changed()
             elif event.kind is EventKind.FAILED:
                 req.failed = True
                 await self._publish_error(req, BatonError(ErrorCode.INTERNAL, f"state transfer for "
@@ -259,40 +268,56 @@ class DecodeWorker(Worker):
 
     # --- decode loop ----------------------------------------------------------------------
     async def _step_loop(self) -> None:
-        """Pipelined: the next step goes to the engine thread as soon as the last one returns,
-        and the last one's tokens are streamed (and ended requests finished) while it computes.
-        The batch is taken when a step is sent, so a request that ended or was aborted after that
-        leaves at the following step; only requests no step holds are finished (freed)."""
+        """The engine thread steps the batch without waiting for the loop between steps (`_run`)
+        until the batch must change: a request of it ended, or one started or was released
+        (`_changed`). Each step's tokens come back as soon as it is done and are streamed while the
+        next step computes; ended requests are finished (freed) when no run is in flight."""
         try:
             while True:
-                done, emitted = await self._collect()
                 batch = self._batch()
                 if batch:
-                    self._running = (batch, time.perf_counter(),
-                                     asyncio.ensure_future(self.engine.call(self.runner.step, [r.seq for _, r in batch])))
-                for (tag, req), tokens in zip(done, emitted):
-                    if tokens and not req.abort:
-                        await self._publish(req, tokens)
-                stepping = {tag for tag, _ in batch}
+                    await self._run_batch(batch)
                 for tag, req in list(self.requests.items()):
-                    if req.started and (req.abort or req.seq.finish_reason) and tag not in stepping:
+                    if req.started and (req.abort or req.seq.finish_reason):
                         await self._finish(tag, req, req.seq.finish_reason or req.released_as)
                 if not batch:
                     await self._idle()
         finally:
-            if self._running is not None:
-                self._running[2].cancel()
+            self._changed.set()  # a run still in flight returns after its step
 
-    async def _collect(self) -> tuple[list[tuple[int, Request]], list[list[int]]]:
-        """Wait for the step in flight, if any: its batch and the tokens each request emitted."""
-        if self._running is None:
-            return [], []
-        batch, sent_at, step = self._running
-        emitted = await step
-        self._running = None
-        self.metrics.step_seconds.observe(time.perf_counter() - sent_at)
-        self.metrics.tokens.inc(sum(len(t) for t in emitted))
-        return batch, emitted
+    async def _run_batch(self, batch: list[tuple[int, Request]]) -> None:
+        """One run of the engine thread over `batch`, streaming each step's tokens as they come."""
+        loop, done_steps, ready = asyncio.get_running_loop(), deque(), asyncio.Event()
+
+        def arrived(emitted: list[list[int]]) -> None:  # on the loop, in step order
+            done_steps.append(emitted)
+            ready.set()
+        self._changed.clear()
+        run = asyncio.ensure_future(self.engine.call(
+            self._run, [r.seq for _, r in batch], lambda emitted: loop.call_soon_threadsafe(arrived, emitted)))
+        while True:
+            ready.clear()
+            while done_steps:
+                for (_, req), tokens in zip(batch, done_steps.popleft()):
+                    if tokens and not req.abort:
+                        await self._publish(req, tokens)
+            if run.done():  # its steps' tokens were handed over before it returned: all streamed now
+                return run.result()
+            waiting = asyncio.ensure_future(ready.wait())
+            await asyncio.wait((run, waiting), return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+
+    def _run(self, seqs: list[Sequence], deliver) -> None:
+        """Engine thread: step `seqs` until one of them ends or the batch must change, handing each
+        step's emitted tokens to `deliver` (thread safe) as soon as the step is done."""
+        while True:
+            start = time.perf_counter()
+            emitted = self.runner.step(seqs)
+            self.metrics.step_seconds.observe(time.perf_counter() - start)
+            self.metrics.tokens.inc(sum(len(t) for t in emitted))
+            deliver(emitted)
+            if self._changed.is_set() or any(s.finish_reason for s in seqs):
+                return
 
     def _batch(self) -> list[tuple[int, Request]]:
         ready = [(t, r) for t, r in self.requests.items() if r.started and not r.abort and not r.seq.finish_reason]
