@@ -6,7 +6,8 @@ Continuous batching on one engine thread. Each turn of the loop:
     admit   waiting requests (FIFO; at most `prefill_tokens` prompt tokens per turn, and only
             while fewer than `max_batch` run) are prefilled in one batched, chunked forward:
             target (+ the MTP layer over the prompt's window), first token
-    step    one decode step over every running request (draft -> verify -> accept)
+    step    decode steps over every running request (draft -> verify -> accept), back to back on
+            the engine thread until one of them ends or a request arrives or is cancelled
 
 It is the same engine code as the prefill and decode services (`ModelRunner`), with the handoff
 done as `LocalEngine` does it: by sharing the store, with no NATS hop and no NIXL transfer.
@@ -18,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 
@@ -54,8 +56,8 @@ class Job:
     """One request in the engine. Its tokens arrive on `tokens()`; `cancel()` stops it at the
     next step boundary (ending with finish_reason "abort"). Same surface as the router's Flow."""
 
-    def __init__(self, seq: Sequence, decode_gen: torch.Generator | None, wake: asyncio.Event) -> None:
-        self.seq, self.decode_gen, self._wake = seq, decode_gen, wake
+    def __init__(self, seq: Sequence, decode_gen: torch.Generator | None, wake: Callable[[], None]) -> None:
+        self.seq, self.decode_gen, self._wake = seq, decode_gen, wake  # wake(): the engine's batch changed
         self.outcome = Outcome()
         self.served_by = "aggregated"  # for the router's request log (Flow names its worker pair)
         self.prefill_done = None  # no separate prefill step to time
@@ -74,7 +76,7 @@ class Job:
     def cancel(self, reason: str = "cancelled") -> None:
         if not self.done and not self.abort:
             self.abort = reason
-            self._wake.set()
+            self._wake()
 
     def stop(self) -> None:
         """A stop string matched (Flow's hook): end at the next step; the counts come with the end."""
@@ -138,6 +140,7 @@ class AggregatedEngine:
         self.running: list[Job] = []
         self.steps = 0  # decode steps run (for tests and logs)
         self.wake = asyncio.Event()
+        self._changed = threading.Event()  # ends the engine thread's run of steps (`ModelRunner.run`)
         self._loop_task: asyncio.Task | None = None
         self._closed = False
 
@@ -147,6 +150,7 @@ class AggregatedEngine:
     async def close(self, reason: str = "the service is shutting down") -> None:
         """Fail what is still in flight with `unavailable`, stop the loop, free everything."""
         self._closed = True
+        self._changed.set()  # a run of steps in flight returns after its step
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
@@ -178,16 +182,21 @@ class AggregatedEngine:
             decode_gen = seq.gen if params.seed is None else \
                 torch.Generator(device=self.store.device).manual_seed((params.seed ^ DECODE_SEED_SALT) % 2**64)
         positions = reservation(len(seq.prompt), max_tokens, self.spec.draft_tokens)
+        self._changed.set()  # the run in flight returns, so that the engine thread takes the allocation
         try:
             await self.thread.call(self.store.allocate, request_id, positions)
         except OutOfCapacity as exc:
             raise BatonError(ErrorCode.BUSY, f"aggregated: {exc}") from None
         except KVError as exc:
             raise BatonError(ErrorCode.BAD_REQUEST, f"aggregated: {exc}") from None
-        job = Job(seq, decode_gen, self.wake)
+        job = Job(seq, decode_gen, self._batch_changed)
         self.waiting.append(job)
-        self.wake.set()
+        self._batch_changed()
         return job
+
+    def _batch_changed(self) -> None:
+        self._changed.set()
+        self.wake.set()
 
     # --- the loop -----------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -233,17 +242,23 @@ class AggregatedEngine:
         self.running += batch
 
     async def _step(self, jobs: list[Job]) -> None:
+        """Steps over `jobs` on the engine thread until the batch must change; each step's tokens
+        are pushed to the jobs as soon as it is done (before the run returns)."""
+        loop = asyncio.get_running_loop()
+
+        def pushed(emitted: list[list[int]]) -> None:  # on the loop, in step order
+            self.steps += 1
+            for job, tokens in zip(jobs, emitted):
+                if not job.abort:
+                    job._push(tokens)
+        self._changed.clear()
         try:
-            emitted = await self.thread.call(self.runner.step, [j.seq for j in jobs])
+            await self.thread.call(self.runner.run, [j.seq for j in jobs], self._changed,
+                                   lambda emitted, _seconds: loop.call_soon_threadsafe(pushed, emitted))
         except Exception as exc:  # noqa: BLE001
-            log.exception("decode step over %d requests failed", len(jobs))
+            log.exception("decode steps over %d requests failed", len(jobs))
             self.running = [j for j in self.running if j not in jobs]
             await self._fail(jobs, exc)
-            return
-        self.steps += 1
-        for job, tokens in zip(jobs, emitted):
-            if not job.abort:
-                job._push(tokens)
 
     async def _fail(self, jobs: list[Job], exc: Exception) -> None:
         await self.thread.call(self._free, [j.request_id for j in jobs])

@@ -67,7 +67,7 @@ class DecodeWorker(Worker):
         self.requests_total = 0
         self.requests: dict[int, Request] = {}  # by tag
         self.wake = asyncio.Event()
-        self._changed = threading.Event()  # the batch must change: the engine thread's run returns (`_run`)
+        self._changed = threading.Event()  # the batch must change: the engine thread's run returns
         self.probe_prefix = bus.connection.new_inbox()  # <prefix>.<tag>: the reply subject of a request's chunks
         self._loops: list[asyncio.Task] = []
 
@@ -268,7 +268,7 @@ class DecodeWorker(Worker):
 
     # --- decode loop ----------------------------------------------------------------------
     async def _step_loop(self) -> None:
-        """The engine thread steps the batch without waiting for the loop between steps (`_run`)
+        """The engine thread steps the batch without waiting for the loop between steps (`runner.run`)
         until the batch must change: a request of it ended, or one started or was released
         (`_changed`). Each step's tokens come back as soon as it is done and are streamed while the
         next step computes; ended requests are finished (freed) when no run is in flight."""
@@ -292,9 +292,13 @@ class DecodeWorker(Worker):
         def arrived(emitted: list[list[int]]) -> None:  # on the loop, in step order
             done_steps.append(emitted)
             ready.set()
+        def deliver(emitted: list[list[int]], seconds: float) -> None:  # on the engine thread
+            self.metrics.step_seconds.observe(seconds)
+            self.metrics.tokens.inc(sum(len(t) for t in emitted))
+            loop.call_soon_threadsafe(arrived, emitted)
         self._changed.clear()
-        run = asyncio.ensure_future(self.engine.call(
-            self._run, [r.seq for _, r in batch], lambda emitted: loop.call_soon_threadsafe(arrived, emitted)))
+        run = asyncio.ensure_future(self.engine.call(self.runner.run, [r.seq for _, r in batch], self._changed,
+                                                     deliver))
         while True:
             ready.clear()
             while done_steps:
@@ -306,18 +310,6 @@ class DecodeWorker(Worker):
             waiting = asyncio.ensure_future(ready.wait())
             await asyncio.wait((run, waiting), return_when=asyncio.FIRST_COMPLETED)
             waiting.cancel()
-
-    def _run(self, seqs: list[Sequence], deliver) -> None:
-        """Engine thread: step `seqs` until one of them ends or the batch must change, handing each
-        step's emitted tokens to `deliver` (thread safe) as soon as the step is done."""
-        while True:
-            start = time.perf_counter()
-            emitted = self.runner.step(seqs)
-            self.metrics.step_seconds.observe(time.perf_counter() - start)
-            self.metrics.tokens.inc(sum(len(t) for t in emitted))
-            deliver(emitted)
-            if self._changed.is_set() or any(s.finish_reason for s in seqs):
-                return
 
     def _batch(self) -> list[tuple[int, Request]]:
         ready = [(t, r) for t, r in self.requests.items() if r.started and not r.abort and not r.seq.finish_reason]

@@ -17,6 +17,8 @@ The draft entry at position p is f(h_{p-1}, token_p) and predicts token_{p+1} (d
 """
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Callable
@@ -151,6 +153,18 @@ class ModelRunner:
         seq.pending_hidden = hidden_tail[-(L - seq.draft_len + 1):]
 
     # --- decode ---------------------------------------------------------------------------
+    def run(self, seqs: list[Sequence], changed: threading.Event,
+            deliver: Callable[[list[list[int]], float], None]) -> None:
+        """Step `seqs` until one of them ends or `changed` is set (looked at after each step),
+        handing each step's emitted tokens and its seconds to `deliver` as soon as it is done:
+        a service's engine thread runs steps back to back, not one per event-loop round trip."""
+        while True:
+            start = time.perf_counter()
+            emitted = self.step(seqs)
+            deliver(emitted, time.perf_counter() - start)
+            if changed.is_set() or any(s.finish_reason for s in seqs):
+                return
+
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
         """Advance every sequence; returns the tokens each one emitted this step."""
