@@ -86,8 +86,14 @@ def _probe(role: str, bus: Bus, worker_id: str | None) -> Callable[[], Awaitable
     return probe
 
 
+UNHEALTHY_RECHECK_S = 0.5  # a failing probe is asked again this soon: a worker that just registered reads healthy
+
+
 async def keep_health_file(path: Path, role: str, probe: Callable[[], Awaitable[str | None]], interval_s: float) -> None:
-    """Rewrite `path` every `interval_s` with the probe's verdict; `baton health` reads it."""
+    """Rewrite `path` with the probe's verdict every `interval_s` while it is good, and every
+    UNHEALTHY_RECHECK_S (at most) while it is not, so that a service that has just become
+    healthy (a worker registered after start-up) does not read unhealthy for up to `interval_s`;
+    `baton health` reads it."""
     remove_stale_health_files(path.parent, role)
     while True:
         try:
@@ -101,7 +107,7 @@ async def keep_health_file(path: Path, role: str, probe: Callable[[], Awaitable[
             tmp.replace(path)
         except OSError as exc:
             log.warning("cannot write health file %s: %s", path, exc)
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(interval_s if problem is None else min(interval_s, UNHEALTHY_RECHECK_S))
 
 
 # --- running ---------------------------------------------------------------------------------

@@ -241,3 +241,26 @@ def test_baton_health_reads_fresh_good_files_only(tmp_path):
     remove_stale_health_files(tmp_path, "router")
     assert not (tmp_path / f"baton-router-{dead.pid}.health").exists()
     assert (tmp_path / f"baton-router-{os.getpid()}.health").exists()
+
+
+@pytest.mark.unit
+def test_a_health_file_turns_good_soon_after_its_service_does(tmp_path):
+    """The file is written at start-up, before a worker has registered: it must not stay "not
+    registered" for a whole interval once the worker is (the next probe comes soon while unhealthy)."""
+    import asyncio
+    import json
+    from baton.serve import keep_health_file
+    from e2e_cluster import until
+    path, verdicts = tmp_path / "baton-decode-1.health", iter(["not registered"])
+
+    async def probe():
+        return next(verdicts, None)
+
+    async def main():
+        keeper = asyncio.create_task(keep_health_file(path, "decode", probe, interval_s=60.0))
+        try:  # the re-check comes after 0.5 s; the interval would be 60
+            await until(lambda: path.exists() and json.loads(path.read_text())["ok"], 10.0,
+                        "the health file turning good", every_s=0.02)
+        finally:
+            keeper.cancel()
+    asyncio.run(main())
