@@ -70,7 +70,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, co
 
 // qkv [T, A, D] (A >= heads: query heads, key heads, then value heads), w [heads, D],
 // cos, sin_signed [T, D] -> [T, heads, D]: each of the first `heads` heads RMS-normed with its
-// weight row, then rotated: y * cos + roll(y, D/2) * sin_signed (layers.apply_rope)
+// weight row, then rotated: y * cos + roll(y, D/2) * sin_signed (cpu_fused.qk_norm_rope_reference)
 torch::Tensor qk_norm_rope(const torch::Tensor& qkv, const torch::Tensor& w, const torch::Tensor& cos,
                            const torch::Tensor& sin, double eps) {
   for (auto [t, name] : {std::pair{&qkv, "qkv"}, {&w, "w"}, {&cos, "cos"}, {&sin, "sin"}}) check_rows(*t, name);

@@ -99,7 +99,8 @@ class BatonLM(nn.Module):
     def pack(self, projection: str = "auto") -> "BatonLM":
         """Cache the fused q/k norm weights and, on the CPU, prepare every projection for the
         `projection` kernel (`Linear`; "auto": the one this CPU runs fastest, timed here);
-        call again after changing weights. The kernel chosen and the times are in `self.projection`."""
+        call again after changing weights. The kernel chosen is `self.projection` (and, for "auto", logged
+        with each kernel's time)."""
         for module in self.modules():
             if isinstance(module, SelfAttention):
                 module.pack()
