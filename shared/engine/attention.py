@@ -13,6 +13,9 @@ was overwritten:
     2. it extends each request to the chunk's end, then computes where the new K/V go;
     3. each layer call reads the cached rows, attends with the chunk's own K/V, then writes the
        new K/V (sliding layers only the positions storage keeps).
+Where no new row lands on a row the forward reads (always for FULL; for sliding storage when the
+chunks are short enough: decode, verify, draft), step 3 writes first and reads the cached rows
+and the chunk's own in one gather (`_PoolMeta.read_rows`), with no concatenation per layer.
 """
 from __future__ import annotations
 
@@ -47,6 +50,8 @@ class _PoolMeta:
     mask: torch.Tensor  # [B, 1, Q, M+Q] 0 where a query sees a key (cached, then the chunk's own), else -inf
     write_rows: torch.Tensor | None = None  # [W] rows the new K/V go to
     write_tokens: torch.Tensor | None = None  # [W] which flat tokens those are; None: all of them
+    read_rows: torch.Tensor | None = None  # [B, M+Q] old_rows, then each chunk's own rows (padded):
+    # set where writing first clobbers no row read (then one gather reads both), else None
 
 
 class StoreAttention:
@@ -81,12 +86,14 @@ class StoreAttention:
             pad[flat] = np.arange(T)
             self._pad, self._unpad = self._device(pad), self._device(np.flatnonzero(flat))
         pools = sorted(set(self._pool_of.values()))
-        self._meta = {key: self._read_meta(key, self._read_floors(key, reqs)) for key in pools}
+        self._read_lows = {key: self._read_floors(key, reqs) for key in pools}  # [B] per pool
+        self._old_rows: dict[PoolKey, np.ndarray] = {}  # [B, M] per pool, on the host
+        self._meta = {key: self._read_meta(key, self._read_lows[key]) for key in pools}
         for c, r in zip(chunks, reqs):
             if r.length < c.start + c.n:
                 store.extend(c.request_id, c.start + c.n)
         for key in pools:
-            self._meta[key].write_rows, self._meta[key].write_tokens = self._writes(key, reqs)
+            self._plan_writes(key, reqs)
 
     @classmethod
     def chain(cls, store: KVStore, chunks: list[Chunk], layer_ids: list[int],
@@ -115,7 +122,8 @@ class StoreAttention:
             if meta.write_tokens is not None:
                 raise KVError(f"{key.name}: a chain step would write below a request's floor")
             part._meta[key] = _PoolMeta(meta.window, meta.old_rows[lo:hi], meta.old_pos[lo:hi], meta.mask[lo:hi],
-                                        meta.write_rows[lo:hi])
+                                        meta.write_rows[lo:hi], None,
+                                        None if meta.read_rows is None else meta.read_rows[lo:hi])
         return part
 
     def _device(self, array: np.ndarray) -> torch.Tensor:
@@ -162,13 +170,32 @@ class StoreAttention:
             rows = (page[:, :, None] * stride + offs).reshape(B, -1)  # [B, P*ps]
             pos = (cols[:, :, None] * ps + offs).reshape(B, -1)
         old_pos = np.where((pos >= low[:, None]) & (pos < starts), pos, -1)  # [B, M]
-        window = self.store.windows[key]
+        window, self._old_rows[key] = self.store.windows[key], rows
         return _PoolMeta(window, self._device(rows), self._device(old_pos),
                          self._additive(chunk_mask(self._q_pos, old_pos, window)[:, None]))
 
-    def _writes(self, key: PoolKey, reqs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows of the new tokens' K/V after the extend; sliding pools keep only what storage holds
-        (a prefill chunk longer than the ring writes its last rows only)."""
+    def _plan_writes(self, key: PoolKey, reqs) -> None:
+        """Where this pool's new K/V go; and, where writing them first clobbers no row the
+        forward reads, the one gather of cached and own rows per layer."""
+        meta = self._meta[key]
+        rows, keep = self._writes(key, reqs)
+        meta.write_rows, meta.write_tokens = self._device(rows), None if keep is None else self._device(keep)
+        if keep is None and self._reads_survive_writes(key, reqs):
+            B, Q = self._q_pos.shape
+            own = np.zeros(B * Q, dtype=np.int64)  # padding reads row 0: masked for every real query
+            own[self._q_pos.reshape(-1) >= 0] = rows
+            meta.read_rows = self._device(np.concatenate((self._old_rows[key], own.reshape(B, Q)), 1))
+
+    def _reads_survive_writes(self, key: PoolKey, reqs) -> bool:
+        """No new row lands on a row read: FULL rows hold one position each; sliding storage keeps
+        positions >= floor (after the extend) in distinct rows, so it holds when no chunk reads
+        below its request's floor."""
+        return key.kind == FULL or bool((self._read_lows[key] >= np.array([r.floor for r in reqs])).all())
+
+    def _writes(self, key: PoolKey, reqs) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows of the new tokens' K/V after the extend, [W]; sliding pools keep only what storage
+        holds (a prefill chunk longer than the ring writes its last rows only: `keep`, the flat
+        tokens written, else None)."""
         store, ps, stride = self.store, self.store.page_size, self.store.item_stride(key)
         pos, slots, keep = self._positions, np.repeat(self._slots, self._ns), None
         if key.kind != FULL:
@@ -177,11 +204,9 @@ class StoreAttention:
                 keep = np.flatnonzero(pos >= floors)
                 pos, slots = pos[keep], slots[keep]
         if key.kind == SWA_RING:
-            rows = slots * stride + pos % store.span
-        else:
-            page = store.block_table[slots, pos // ps]
-            rows = (store.swa.table[page] if key.kind == SWA else page) * stride + pos % ps
-        return self._device(rows), None if keep is None else self._device(keep)
+            return slots * stride + pos % store.span, keep
+        page = store.block_table[slots, pos // ps]
+        return (store.swa.table[page] if key.kind == SWA else page) * stride + pos % ps, keep
 
     # --- per layer --------------------------------------------------------------------------
     def _padded(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,7 +219,13 @@ class StoreAttention:
         meta = self._meta[self._pool_of[layer_id]]
         cache = self.store.kv_rows(layer_id)  # [rows, 2, Hkv, D], a view (item-major, see store.py)
         kv = torch.stack((k, v), 1).to(cache.dtype)  # [T, 2, Hkv, D]
-        qp, kvp = self._padded(q), self._padded(kv)  # [B, Q, H, D], [B, Q, 2, Hkv, D]
+        qp = self._padded(q)  # [B, Q, H, D]
+        if meta.read_rows is not None and not use_triton(qp):
+            cache.index_copy_(0, meta.write_rows, kv)
+            B, S = meta.read_rows.shape  # S = M + Q
+            both = cache.index_select(0, meta.read_rows.view(-1)).view(B, S, *cache.shape[1:])  # [B, S, 2, Hkv, D]
+            return self._unpadded(attend(qp, both, meta.mask))
+        kvp = self._padded(kv)  # [B, Q, 2, Hkv, D]
         if use_triton(qp):
             out = chunk_attention(qp, self.q_pos, kvp[:, :, 0], kvp[:, :, 1], cache[:, 0], cache[:, 1],
                                   meta.old_rows, meta.old_pos, meta.window)
@@ -203,6 +234,10 @@ class StoreAttention:
             old = cache.index_select(0, meta.old_rows.view(-1)).view(B, M, *cache.shape[1:])  # [B, M, 2, Hkv, D]
             out = attend(qp, torch.cat((old, kvp), 1), meta.mask)  # [B, Q, H, D]
         cache.index_copy_(0, meta.write_rows, kv if meta.write_tokens is None else kv.index_select(0, meta.write_tokens))
+        return self._unpadded(out)
+
+    def _unpadded(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, Q, H, D] -> [T, H, D]"""
         out = out.reshape(-1, *out.shape[2:])  # [B*Q, H, D]
         return out if self._uniform else out.index_select(0, self._unpad)
 
