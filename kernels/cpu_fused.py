@@ -8,9 +8,11 @@ arithmetic in one call each (~2-4 us), on contiguous float32 CPU tensors:
     add_rms_norm(x, delta, w, eps)         -> (x + delta, rms_norm(x + delta, w, eps))  [N, d] x2
     qk_norm_rope(qkv, w, cos, sin, eps)    qkv [T, A, D], w [heads, D], cos/sin [T, D]
                                            -> the first `heads` heads normed and rotated [T, heads, D]
+    argmax(x)                              x [..., V] -> [...] first index of each row's max (int64)
 
-Results agree with the references to float rounding (another summation order), as oneDNN's or
-BLAS's GEMMs agree with F.linear. The extension is compiled by torch.utils.cpp_extension the first
+argmax gives exactly torch.argmax's integers (ties: the first maximum; a NaN counts as the
+maximum). The others agree with their references to float rounding (another summation order), as
+oneDNN's or BLAS's GEMMs agree with F.linear. The extension is compiled by torch.utils.cpp_extension the first
 time a process asks for it (~25 s on 2 cores; `scripts/bootstrap.sh` does it once) and cached under
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). Where it cannot be built (no C++
 compiler or ninja), or with BATON_KERNELS=torch (read once per process), or for tensors it does
@@ -113,3 +115,10 @@ def qk_norm_rope(qkv: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: tor
     if _takes(qkv):
         return extension().qk_norm_rope(qkv, w, cos, sin, eps)
     return qk_norm_rope_reference(qkv, w, cos, sin, eps)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] -> [...]: torch.argmax(x, -1), the same integers (greedy tokens, acceptance)."""
+    if _takes(x):
+        return extension().argmax(x)
+    return x.argmax(-1)

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from baton.kernels.cpu_fused import argmax
 from baton.proto.public import MAX_DRAFT_TOKENS, Logprobs
 from baton.shared.kv.store import KVStore
 from baton.shared.model.model import BatonLM
@@ -255,7 +256,7 @@ class ModelRunner:
         if penalties.any:  # each position penalised as plain decoding would penalise it there
             scores = logits[at]  # [B, K+1, V]
             scores[penalties.index] = penalties.at_positions(scores[penalties.index], drafts[penalties.index])
-        best = logits.argmax(-1).take(at) if scores is None else scores.argmax(-1)  # [B, K+1]
+        best = argmax(logits).take(at) if scores is None else argmax(scores)  # [B, K+1]
         drafted = torch.arange(K, device=self.device) < self._host_index(ks)[:, None]
         accepted = ((drafts == best[:, :K]) & drafted).long().cumprod(-1).sum(-1)  # [B]
         emitted = best.gather(1, accepted[:, None])[:, 0]
@@ -299,7 +300,7 @@ class ModelRunner:
             if penalised:  # the chain's own tokens so far count as output, as they would if accepted
                 before = torch.stack(columns, 1)[p_live] if columns else None  # [Np', j]
                 logits[p_live] = penalties.after(logits[p_live], p_rows, before)
-            token = logits.argmax(-1)  # [B']
+            token = argmax(logits)  # [B']
             if sampled:
                 p = draws.probs(logits[s_live][:, None], s_draws)[:, 0]  # [Ns', V]
                 token[s_live] = race(p, draws.draft_noise[s_draws, j])

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.kernels.cpu_fused import argmax
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -64,7 +66,7 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor | float,
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """probs [..., V], noise [..., V] ~ Exp(1) -> tokens [...] distributed as probs (unnormalised ok)."""
-    return (probs / noise).argmax(-1)
+    return argmax(probs / noise)
 
 
 def accept(drafts: torch.Tensor, ks: torch.Tensor, q: torch.Tensor, p: torch.Tensor, uniform: torch.Tensor,
@@ -135,7 +137,7 @@ class BatchSampling:
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] -> next token [B]: argmax for greedy rows, a draw from p for the others."""
-        tokens = logits.argmax(-1)
+        tokens = argmax(logits)
         if self.rows:
             p = self.probs(logits[self.index][:, None])[:, 0]  # [Ns, V]
             tokens[self.index] = race(p, self.emission_noise)
