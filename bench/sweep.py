@@ -11,11 +11,16 @@
 Each system gets its own nats-server and runs alone; `baton bench` (baton/loadtest.py) drives
 it over the public API. Prints both tables and a side-by-side one; writes JSON (and PNGs with
 --plot and matplotlib). Keep the defaults small on a 2-core machine: they finish in minutes.
+
+--rounds N runs the pair N times, alternating which goes first (A B, B A, A B, ...), so a machine
+whose speed drifts within minutes (a shared VM) slows both alike; it then prints each round and
+the disaggregated / aggregated tok/s ratio per level and round, with the median.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 import time
@@ -48,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per prefill / decode process")
     ap.add_argument("--agg-threads", type=int, default=None, help="torch threads of the aggregated process "
                     "(default: --threads, as each disaggregated engine process; 2 x was slower on 2 busy cores)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the pair this many times, alternating the order")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, metavar="DIR", help="PNGs (needs matplotlib)")
     ap.add_argument("--markdown", action="store_true", help="also print the side-by-side table as Markdown")
@@ -115,6 +121,38 @@ def side_by_side(results: dict[str, dict], markdown: bool = False) -> str:
     return "\n".join([f"cells: {' / '.join(names)}", fmt(header), "-" * sum(widths)] + [fmt(r) for r in rows])
 
 
+def run_rounds(args: argparse.Namespace, systems: list[str], log_dir: Path) -> list[dict[str, dict]]:
+    """Each system's results, `args.rounds` times; odd rounds run the systems in reverse order."""
+    rounds = []
+    for i in range(args.rounds):
+        results = {}
+        for system in systems if i % 2 == 0 else systems[::-1]:
+            print(f"== round {i + 1}: {system} (logs in {log_dir / system})", file=sys.stderr)
+            results[system] = (run_disaggregated if system == "disaggregated" else run_aggregated)(args, log_dir)
+        rounds.append({system: results[system] for system in systems})
+    return rounds
+
+
+def ratios(rounds: list[dict[str, dict]]) -> dict[str, list[float]]:
+    """Per level: disaggregated / aggregated tok/s in each round."""
+    out: dict[str, list[float]] = {}
+    for results in rounds:
+        by = {name: {run["name"]: run["summary"]["output_tokens_per_s"] for run in r["runs"]}
+              for name, r in results.items()}
+        for level, agg in by.get("aggregated", {}).items():
+            disagg = by.get("disaggregated", {}).get(level)
+            if disagg is not None and agg:
+                out.setdefault(level, []).append(disagg / agg)
+    return out
+
+
+def format_ratios(ratio: dict[str, list[float]]) -> str:
+    lines = ["level   disaggregated / aggregated tok/s, per round     median"]
+    for level, values in ratio.items():
+        lines.append(f"{level:<8}{'  '.join(f'{v:.3f}' for v in values):<48}{statistics.median(values):.3f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -124,20 +162,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="baton-sweep-"))
     started = time.monotonic()
-    results = {}
-    for system in systems:
-        print(f"== {system} (logs in {log_dir / system})", file=sys.stderr)
-        results[system] = (run_disaggregated if system == "disaggregated" else run_aggregated)(args, log_dir)
+    rounds = run_rounds(args, systems, log_dir)
     elapsed = time.monotonic() - started
-    for system, result in results.items():
-        print(f"\n=== {system}\n{loadtest.format_report(result)}")
-    print("\n=== side by side\n" + side_by_side(results))
-    if args.markdown:
-        print("\n" + side_by_side(results, markdown=True))
+    for i, results in enumerate(rounds):
+        title = f" (round {i + 1})" if len(rounds) > 1 else ""
+        for system, result in results.items():
+            print(f"\n=== {system}{title}\n{loadtest.format_report(result)}")
+        print(f"\n=== side by side{title}\n" + side_by_side(results))
+        if args.markdown:
+            print("\n" + side_by_side(results, markdown=True))
+    ratio = ratios(rounds)
+    if ratio:
+        print("\n=== ratio\n" + format_ratios(ratio))
     print(f"\n(sweep took {elapsed:.0f} s; machine: {loadtest.machine_info()})")
+    results = rounds[-1]
     if args.json:
         loadtest.write_json({"tool": "bench/sweep.py", "argv": sys.argv[1:] if argv is None else argv,
-                             "machine": loadtest.machine_info(), "elapsed_s": elapsed, "systems": results}, args.json)
+                             "machine": loadtest.machine_info(), "elapsed_s": elapsed, "systems": results,
+                             "rounds": rounds, "ratio": {level: {"per_round": v, "median": statistics.median(v)}
+                                                         for level, v in ratio.items()}}, args.json)
         print(f"wrote {args.json}")
     if args.plot:
         try:
@@ -145,9 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {path}")
         except ImportError:
             print("--plot needs matplotlib (pip install matplotlib); no plots written", file=sys.stderr)
-    errors = sum(sum(run["summary"]["errors"].values()) for r in results.values() for run in r["runs"])
+    errors = sum(sum(run["summary"]["errors"].values()) for rs in rounds for r in rs.values() for run in r["runs"])
     return 1 if errors else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
