@@ -6,7 +6,8 @@ Projections: every projection of the shipped model (QKV, o, gate/up, down, MTP e
 head) through each kernel `Linear.pack` can run (oneDNN's prepacked GEMM, BLAS mm over the
 transposed weight), in turn, so that the weights are as cold as in a step; us per projection,
 best of 5, at 1, 16 and 96 rows (a draft forward at batch 1 and 16, a verify at batch 16, k = 5).
-Fused ops: each of kernels/cpu_fused.py's ops against its torch reference, us per call, best of
+Fused ops: each of kernels/cpu_fused.py's ops against its torch reference (argmax: torch.argmax
+over 2048-wide logits rows), us per call, best of
 5, at the row counts of a step. `load_model`'s own choice (`projection=auto`) is printed too.
 """
 from __future__ import annotations
@@ -54,7 +55,9 @@ def fused_ops(rows: list[int]) -> dict:
     for r in rows:
         x, d, w = torch.randn(r, 256), torch.randn(r, 256), torch.randn(256)
         qkv, wq, cos, sin = torch.randn(r, 8, 64), torch.randn(6, 64), torch.randn(r, 1, 64), torch.randn(r, 1, 64)
+        logits = torch.randn(r, 2048)  # the shipped model's vocabulary
         cases = {"rms_norm": ((x, w, 1e-6), cpu_fused.rms_norm_reference, ext.rms_norm),
+                 "argmax": ((logits,), lambda t: t.argmax(-1), ext.argmax),
                  "add_rms_norm": ((x, d, w, 1e-6), cpu_fused.add_rms_norm_reference, ext.add_rms_norm),
                  "qk_norm_rope": ((qkv, wq, cos, sin, 1e-6), cpu_fused.qk_norm_rope_reference, ext.qk_norm_rope)}
         for name, (args, reference, fused) in cases.items():
