@@ -366,3 +366,22 @@ def test_cancel_releases_in_flight_writes_unless_refused_or_copy_threads_run_the
     assert threaded.released == 0 and on_threads.state == "PROC" and on_threads.cancel_refused
     warnings = [r.getMessage() for r in caplog.records if "cannot be cancelled" in r.getMessage()]
     assert len(warnings) == 2 and "copy threads" in warnings[1]  # once per WRITE
+
+
+def test_notifications_are_collected_fast_only_while_a_due_write_cannot_wait():
+    """The NIXL thread polls every 0.1 ms for a WRITE due to us, unless the receiver's engine is
+    stepping (the arrival waits for that step anyway): then every 1 ms, as with WRITEs of its own in
+    flight; 10 ms with nothing due."""
+    from baton.shared.transfer import nixl_thread as nt
+    thread = nt.NixlThread.__new__(nt.NixlThread)  # the interval rule alone: no agent, no thread
+    thread._watched, due, busy = [], [False], [False]
+    thread.expecting, thread.patient = (lambda: due[0]), (lambda: busy[0])
+    assert thread._progress_interval() == nt.IDLE_PROGRESS_S
+    due[0] = True
+    assert thread._progress_interval() == nt.EXPECTING_PROGRESS_S
+    busy[0] = True
+    assert thread._progress_interval() == nt.PROGRESS_S
+    due[0] = False
+    assert thread._progress_interval() == nt.IDLE_PROGRESS_S
+    thread._watched = [object()]
+    assert thread._progress_interval() == nt.PROGRESS_S

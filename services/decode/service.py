@@ -68,6 +68,8 @@ class DecodeWorker(Worker):
         self.requests: dict[int, Request] = {}  # by tag
         self.wake = asyncio.Event()
         self._changed = threading.Event()  # the batch must change: the engine thread's run returns
+        self._stepping = False  # a run is in flight on the engine thread (read by the NIXL thread)
+        self.agent.engine_busy = lambda: self._stepping
         self.probe_prefix = bus.connection.new_inbox()  # <prefix>.<tag>: the reply subject of a request's chunks
         self._loops: list[asyncio.Task] = []
 
@@ -297,19 +299,23 @@ class DecodeWorker(Worker):
             self.metrics.tokens.inc(sum(len(t) for t in emitted))
             loop.call_soon_threadsafe(arrived, emitted)
         self._changed.clear()
+        self._stepping = True
         run = asyncio.ensure_future(self.engine.call(self.runner.run, [r.seq for _, r in batch], self._changed,
                                                      deliver))
-        while True:
-            ready.clear()
-            while done_steps:
-                for (_, req), tokens in zip(batch, done_steps.popleft()):
-                    if tokens and not req.abort:
-                        await self._publish(req, tokens)
-            if run.done():  # its steps' tokens were handed over before it returned: all streamed now
-                return run.result()
-            waiting = asyncio.ensure_future(ready.wait())
-            await asyncio.wait((run, waiting), return_when=asyncio.FIRST_COMPLETED)
-            waiting.cancel()
+        try:
+            while True:
+                ready.clear()
+                while done_steps:
+                    for (_, req), tokens in zip(batch, done_steps.popleft()):
+                        if tokens and not req.abort:
+                            await self._publish(req, tokens)
+                if run.done():  # its steps' tokens were handed over before it returned: all streamed now
+                    return run.result()
+                waiting = asyncio.ensure_future(ready.wait())
+                await asyncio.wait((run, waiting), return_when=asyncio.FIRST_COMPLETED)
+                waiting.cancel()
+        finally:
+            self._stepping = False
 
     def _batch(self) -> list[tuple[int, Request]]:
         ready = [(t, r) for t, r in self.requests.items() if r.started and not r.abort and not r.seq.finish_reason]

@@ -14,10 +14,12 @@ paced, because driving progress from here seemed to leave one request in a thous
 that was the lost wake-up `_Inbox` fixes.) This thread, between calls,
 (1) collects notifications with `get_new_notifs` (which progresses UCX: our notices go out, a
 peer's arrive) every EXPECTING_PROGRESS_S while `expecting()` says a WRITE to us is due (a
-receiver waiting for a request's state), every PROGRESS_S while WRITEs of ours are in flight or
-after a call, and every IDLE_PROGRESS_S otherwise — each wake-up takes the GIL from the engine
-thread, and at 1 kHz that cost a decode step ~1.5 ms (docs/benchmarks.md, issue 21) — and hands
-them to the sink (`set_sink`);
+receiver waiting for a request's state) and `patient()` does not say it may wait (the receiver's
+engine is stepping: an arrival waits for the step in flight anyway), every PROGRESS_S while WRITEs
+of ours are in flight, after a call, or while a due WRITE may wait, and every IDLE_PROGRESS_S
+otherwise — each wake-up takes the GIL from the engine thread, and at 1 kHz that cost a decode step
+~1.5 ms (docs/benchmarks.md, issue 21); at c = 16 polling every 0.1 ms took 5% of decode's CPU —
+and hands them to the sink (`set_sink`);
 (2) checks the state of posted WRITEs (`post`; progresses them), from WATCH_FIRST_S backing off
 to WATCH_MAX_S; once none is in flight it calls their callback, then releases their handles
 (before any call queued after the callback ran: the handles are gone by the time a caller
@@ -83,6 +85,7 @@ class NixlThread:
     def __init__(self, name: str, copy_threads: int = 0):
         self.copy_threads = copy_threads
         self.expecting: Callable[[], bool] = lambda: False  # read on the NIXL thread: must be cheap and safe
+        self.patient: Callable[[], bool] = lambda: False  # likewise: a due WRITE may wait PROGRESS_S
         self._calls = _Inbox()
         self._held: Notifications = {}  # collected, not yet handed to a sink (NIXL thread only)
         self._sink: Callable[[Notifications], None] | None = None
@@ -174,7 +177,7 @@ class NixlThread:
 
     def _progress_interval(self) -> float:
         if self.expecting():
-            return EXPECTING_PROGRESS_S
+            return PROGRESS_S if self.patient() else EXPECTING_PROGRESS_S
         return PROGRESS_S if self._watched else IDLE_PROGRESS_S
 
     def _watch_due(self, agent: Any) -> list[_Watch]:
