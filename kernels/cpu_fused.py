@@ -12,8 +12,9 @@ arithmetic in one call each (~2-4 us), on contiguous float32 CPU tensors:
 
 argmax gives exactly torch.argmax's integers (ties: the first maximum; a NaN counts as the
 maximum). The others agree with their references to float rounding (another summation order), as
-oneDNN's or BLAS's GEMMs agree with F.linear. The extension is compiled by torch.utils.cpp_extension the first
-time a process asks for it (~25 s on 2 cores; `scripts/bootstrap.sh` does it once) and cached under
+oneDNN's or BLAS's GEMMs agree with F.linear. The extension is compiled by
+torch.utils.cpp_extension the first time a process asks for it (~25 s on 2 cores;
+`scripts/bootstrap.sh` does it once) and cached under
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). Where it cannot be built (no C++
 compiler or ninja), or with BATON_KERNELS=torch (read once per process), or for tensors it does
 not take (bfloat16, CUDA, non-contiguous, autograd), the references run: same results to
