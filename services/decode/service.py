@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from nats.aio.msg import Msg
 
@@ -53,7 +53,8 @@ class Request:
     first_token_at: float | None = None
     abort: str = ""  # set by release: leave the batch at the next step boundary
     released_as: str = "abort"  # the finish reason a release gives ("stop": the router matched a stop string)
-    started: bool = False
+    arrived: bool = False  # its state landed: queued for the engine thread (`DecodeWorker._joining`)
+    started: bool = False  # the engine thread took it into the batch
     failed: bool = field(default=False)
     at: Stamps = field(default_factory=Stamps)
 
@@ -67,7 +68,9 @@ class DecodeWorker(Worker):
         self.requests_total = 0
         self.requests: dict[int, Request] = {}  # by tag
         self.wake = asyncio.Event()
-        self._changed = threading.Event()  # the batch must change: the engine thread's run returns
+        self._joining: deque[Request] = deque()  # arrived, for the engine thread to start (loop appends)
+        self._members: list[Request] = []  # the batch: the engine thread's alone while a run is in flight
+        self._closing = False  # the step loop stopped: a run in flight returns after its step
         self._stepping = False  # a run is in flight on the engine thread (read by the NIXL thread)
         self.agent.engine_busy = lambda: self._stepping
         self.probe_prefix = bus.connection.new_inbox()  # <prefix>.<tag>: the reply subject of a request's chunks
@@ -108,7 +111,7 @@ class DecodeWorker(Worker):
             await asyncio.sleep(0.05)
         for req in list(self.requests.values()):
             req.abort = req.abort or "decode worker shutting down"
-        self._batch_changed()
+        self.wake.set()
 
     async def _peer_left(self, worker_id: str) -> None:
         self.peers.discard(worker_id)
@@ -203,19 +206,14 @@ class DecodeWorker(Worker):
             self._end(tag, "the router's token inbox is gone", "abort")
 
     def _end(self, tag: int, reason: str, finish_reason: str) -> None:
-        """Leave the batch at the next step boundary and free the slots (a request that never
-        started frees them at its transfer's RELEASE event)."""
+        """Leave the batch at the next step boundary and free the slots (a request whose state
+        has not landed frees them at its transfer's RELEASE event)."""
         req = self.requests.get(tag)
         if req is None:
             return
         req.abort, req.released_as = reason, finish_reason
-        if not req.started:
+        if not req.arrived:
             self.agent.arrivals.abort(tag, req.abort)
-        self._batch_changed()
-
-    def _batch_changed(self) -> None:
-        """A request joins or leaves the batch: the run in flight returns after its step."""
-        self._changed.set()
         self.wake.set()
 
     # --- arrivals -------------------------------------------------------------------------
@@ -230,17 +228,11 @@ class DecodeWorker(Worker):
                 if req.abort:
                     await self._finish(event.tag, req, "abort")
                     continue
-                self._changed.set()  # the run in flight returns, so that the engine thread takes _start
-                if req.seq.logprobs is None:
+                if req.seq.logprobs is None:  # else from the aux row's hidden state: after _start
                     await self._publish_first(req, first_token_at(req.aux_address))
-                    await asyncio.sleep(0)  # nats-py writes it on the next turn: before the engine takes the GIL
-                    await self.engine.call(self._start, req)
-                else:  # its logprobs come from the aux row's hidden state, which _start reads
-                    await self.engine.call(self._start, req)
-                    await self._publish_first(req, req.seq.output[0])
-                req.started = True
-                req.at.mark("started")
-                self._batch_changed()
+                req.arrived = True
+                self._joining.append(req)  # the engine thread starts it before its next step
+                self.wake.set()
             elif event.kind is EventKind.FAILED:
                 req.failed = True
                 await self._publish_error(req, BatonError(ErrorCode.INTERNAL, f"state transfer for "
@@ -270,60 +262,93 @@ class DecodeWorker(Worker):
 
     # --- decode loop ----------------------------------------------------------------------
     async def _step_loop(self) -> None:
-        """The engine thread steps the batch without waiting for the loop between steps (`runner.run`)
-        until the batch must change: a request of it ended, or one started or was released
-        (`_changed`). Each step's tokens come back as soon as it is done and are streamed while the
-        next step computes; ended requests are finished (freed) when no run is in flight."""
+        """Runs of the engine thread (`_run`), each as long as the batch has members: requests join
+        and leave it between steps on the engine thread, without a round trip through the loop."""
         try:
             while True:
-                batch = self._batch()
-                if batch:
-                    await self._run_batch(batch)
-                for tag, req in list(self.requests.items()):
-                    if req.started and (req.abort or req.seq.finish_reason):
-                        await self._finish(tag, req, req.seq.finish_reason or req.released_as)
-                if not batch:
+                if self._joining or self._members:
+                    await self._run_batch()
+                else:
                     await self._idle()
         finally:
-            self._changed.set()  # a run still in flight returns after its step
+            self._closing = True  # a run still in flight returns after its step
 
-    async def _run_batch(self, batch: list[tuple[int, Request]]) -> None:
-        """One run of the engine thread over `batch`, streaming each step's tokens as they come."""
-        loop, done_steps, ready = asyncio.get_running_loop(), deque(), asyncio.Event()
+    async def _run_batch(self) -> None:
+        """One run of the engine thread; streams each step's tokens, finishes the requests that
+        left and publishes the first token of those that joined, in the order the engine did it."""
+        loop, posted = asyncio.get_running_loop(), asyncio.Queue()
 
-        def arrived(emitted: list[list[int]]) -> None:  # on the loop, in step order
-            done_steps.append(emitted)
-            ready.set()
-        def deliver(emitted: list[list[int]], seconds: float) -> None:  # on the engine thread
-            self.metrics.step_seconds.observe(seconds)
-            self.metrics.tokens.inc(sum(len(t) for t in emitted))
-            loop.call_soon_threadsafe(arrived, emitted)
-        self._changed.clear()
+        def post(item: tuple) -> None:  # engine thread -> loop, in order
+            loop.call_soon_threadsafe(posted.put_nowait, item)
         self._stepping = True
-        run = asyncio.ensure_future(self.engine.call(self.runner.run, [r.seq for _, r in batch], self._changed,
-                                                     deliver))
         try:
-            while True:
-                ready.clear()
-                while done_steps:
-                    for (_, req), tokens in zip(batch, done_steps.popleft()):
-                        if tokens and not req.abort:
-                            await self._publish(req, tokens)
-                if run.done():  # its steps' tokens were handed over before it returned: all streamed now
-                    return run.result()
-                waiting = asyncio.ensure_future(ready.wait())
-                await asyncio.wait((run, waiting), return_when=asyncio.FIRST_COMPLETED)
-                waiting.cancel()
+            run = asyncio.ensure_future(self.engine.call(self._run, post))
+            run.add_done_callback(lambda _: posted.put_nowait(None))  # after everything it posted
+            while (item := await posted.get()) is not None:
+                await self._after(*item)
+            return run.result()
         finally:
             self._stepping = False
 
-    def _batch(self) -> list[tuple[int, Request]]:
-        ready = [(t, r) for t, r in self.requests.items() if r.started and not r.abort and not r.seq.finish_reason]
-        return ready[:self.config.worker.max_batch]
+    def _run(self, post: Callable[[tuple], None]) -> None:
+        """Engine thread: step the batch until it is empty; before each step, requests that ended
+        leave it and arrived ones join it (`_rebatch`)."""
+        while members := self._rebatch(post):
+            start = time.perf_counter()
+            emitted = self.runner.step([r.seq for r in members])
+            self.metrics.step_seconds.observe(time.perf_counter() - start)
+            self.metrics.tokens.inc(sum(len(t) for t in emitted))
+            post(("step", members, emitted))
+
+    def _rebatch(self, post: Callable[[tuple], None]) -> list[Request]:
+        """Engine thread, between steps: the batch of the next step."""
+        if self._closing:
+            return []
+        left = [r for r in self._members if r.abort or r.seq.finish_reason]
+        members = [r for r in self._members if r not in left]
+        joined = []
+        while self._joining and len(members) < self.config.worker.max_batch:
+            req = self._joining.popleft()
+            if not req.abort:
+                try:
+                    self._start(req)
+                except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                    log.exception("request %s could not start", req.seq.request_id)
+                    req.failed, req.abort = True, f"could not start: {type(exc).__name__}: {exc}"
+            if req.abort:
+                left.append(req)
+                continue
+            req.started = True
+            req.at.mark("started")
+            members.append(req)
+            joined.append(req)
+        self._members = members
+        if left or joined:
+            post(("rebatch", left, joined))
+        return list(members)
+
+    async def _after(self, kind: str, first: list[Request], second: list) -> None:
+        """Loop: what the engine thread posted, in its order."""
+        if kind == "step":
+            for req, tokens in zip(first, second):
+                if tokens and not req.abort:
+                    await self._publish(req, tokens)
+            return
+        for req in first:  # left the batch: no step holds it any more
+            tag = request_tag(req.seq.request_id)
+            if req.failed:
+                await self._publish_error(req, BatonError(ErrorCode.INTERNAL, f"request {req.seq.request_id}: {req.abort}"))
+                self.store.free(req.seq.request_id)
+                self.requests.pop(tag, None)
+            else:
+                await self._finish(tag, req, req.seq.finish_reason or req.released_as)
+        for req in second:
+            if req.seq.logprobs is not None:
+                await self._publish_first(req, req.seq.output[0])
 
     async def _idle(self) -> None:
         self.wake.clear()
-        if self._batch():
+        if self._joining:
             return
         try:
             await asyncio.wait_for(self.wake.wait(), 0.5)
