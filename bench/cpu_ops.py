@@ -9,6 +9,11 @@ best of 5, at 1, 16 and 96 rows (a draft forward at batch 1 and 16, a verify at 
 Fused ops: each of kernels/cpu_fused.py's ops against its torch reference (argmax: torch.argmax
 over 2048-wide logits rows), us per call, best of
 5, at the row counts of a step. `load_model`'s own choice (`projection=auto`) is printed too.
+Attention: `paged_attention` against its reference (gather the rows, then SDPA) for one layer call
+of the shipped model's shapes (4 query heads, 2 KV heads, head_dim 64): B sequences of Q queries
+over S rows each (a draft: Q = 1 over a sliding layer's ~70 rows; a k = 5 verify: Q = 6 over a
+sliding layer's ~80 or a full layer's ~330), each sequence's rows a run of the cache, the keys past
+its length masked.
 """
 from __future__ import annotations
 
@@ -66,6 +71,23 @@ def fused_ops(rows: list[int]) -> dict:
     return out
 
 
+def attention_ops(shapes: list[tuple[int, int, int]]) -> dict:
+    ext, out = cpu_fused.extension(), {}
+    if ext is None:
+        return out
+    for B, Q, S in shapes:
+        cache = torch.randn(4 * B * S, 2, 2, 64)
+        q = torch.randn(B, Q, 4, 64)
+        rows = torch.randint(0, 3 * B * S, (B, 1)) + torch.arange(S)  # [B, S], a run each
+        length = torch.linspace(S // 2, S, B).long().view(B, 1, 1, 1)
+        mask = torch.where(torch.arange(S).view(1, 1, 1, S) < length, 0.0, float("-inf")).expand(B, 1, Q, S)
+        args = (q, cache, rows, mask.contiguous())
+        out[f"B{B} Q{Q} S{S}"] = {"reference": best_us(lambda: [cpu_fused.paged_attention_reference(*args)
+                                                                 for _ in range(20)], 20),
+                                  "fused": best_us(lambda: [ext.paged_attention(*args) for _ in range(20)], 20)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -75,12 +97,17 @@ def main() -> None:
     model = load_model(DEFAULT_MODEL_DIR)
     with torch.inference_mode():
         result = {"threads": args.threads, "auto_choice": model.projection,
-                  "projections_us": projections(model, [1, 16, 96]), "fused_us": fused_ops([1, 6, 16, 96])}
+                  "projections_us": projections(model, [1, 16, 96]), "fused_us": fused_ops([1, 6, 16, 96]),
+                  "attention_us": attention_ops([(1, 1, 70), (1, 6, 80), (1, 6, 330), (16, 1, 70), (16, 6, 80),
+                                                 (16, 6, 330)])}
     print(f"projections, us each (load_model chose {model.projection}):")
     for key, us in result["projections_us"].items():
         print(f"  {key:<12} {us:8.1f}")
     print("fused ops, us per call: torch reference / fused")
     for key, r in result["fused_us"].items():
+        print(f"  {key:<18} {r['reference']:8.1f} / {r['fused']:6.1f}")
+    print("attention of one layer call, us: gather + SDPA / paged_attention")
+    for key, r in result["attention_us"].items():
         print(f"  {key:<18} {r['reference']:8.1f} / {r['fused']:6.1f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
-// Fused CPU kernels for the decode step's small elementwise work and its row argmax (fp32,
-// contiguous rows).
+// Fused CPU kernels for the decode step's small elementwise work, its row argmax and its
+// attention over the KV store's rows (fp32, contiguous).
 //
 // At decode sizes (1-100 rows of 256) each eager op costs a few microseconds of dispatch, and
-// F.rms_norm alone is 6-8 of them (~10-20 us); these do the same arithmetic in one call.
+// F.rms_norm alone is 6-8 of them (~10-20 us); these do the same arithmetic in one call. The
+// attention reads each sequence's K/V rows where the store keeps them: no gathered copy.
 // Torch references and the dispatch rule: kernels/cpu_fused.py. Built on first use by
 // torch.utils.cpp_extension (cached); where it cannot be built, the references run.
 #include <torch/extension.h>
@@ -10,7 +11,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -65,6 +68,117 @@ int64_t argmax_row(const float* row, int64_t V) {
   return first;
 }
 
+// 64-byte aligned scratch of n vectors (std::vector's allocator need not align over-aligned types)
+struct Vectors {
+  explicit Vectors(int64_t n) : data(static_cast<floats16*>(std::aligned_alloc(64, std::max<int64_t>(n, 1) * 64))) {}
+  ~Vectors() { std::free(data); }
+  floats16* data;
+};
+constexpr float NINF = -std::numeric_limits<float>::infinity();
+
+// exp(x) for 16 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r; ~1 ulp)
+__attribute__((always_inline)) inline floats16 exp16(floats16 x) {
+  const floats16 lo = x < -87.3f ? (floats16){} - 87.3f : x;  // exp(-87.3) ~ 1e-38: the normal floor
+  const floats16 t = lo * 1.44269504088896341f;
+  const ints16 n = __builtin_convertvector(t + (t < 0 ? -0.5f : 0.5f), ints16);  // round half away
+  const floats16 nf = __builtin_convertvector(n, floats16);
+  const floats16 r = lo - nf * 0.693359375f + nf * 2.12194440e-4f;
+  floats16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * (floats16)((n + 127) << 23);
+}
+
+// Attention of up to 16 query vectors (lanes) of one sequence and KV head over the S rows it may
+// read, D = 16 * DC. Lanes hold queries, so a key's scores for all of them are one vector of FMAs
+// (no horizontal sums), and the softmax runs lane-wise. qt [D] vectors: the queries transposed
+// and scaled (lane l: query l); kv + rows[j] * kv_row: key j (its value v_off further on);
+// mask_t [S] vectors: lane l's additive mask for key j; seen[j]: some lane sees key j (keys no
+// lane sees are skipped); probs [S] vectors of scratch; out[l]: lane l's output row.
+template <int DC>
+__attribute__((always_inline)) inline void attend_lanes(const floats16* qt, const float* kv, int64_t kv_row,
+                                                        int64_t v_off, const int64_t* rows, const floats16* mask_t,
+                                                        const uint8_t* seen, int64_t S, floats16* probs, int lanes, float* const* out) {
+  constexpr int D = DC * 16;
+  floats16 top = (floats16){} + NINF;
+  for (int64_t j = 0; j < S; j += 4) {  // scores, four keys at a time: probs[j] lane l = q_l . k_j + mask
+    const int n = static_cast<int>(std::min<int64_t>(4, S - j));
+    if (!(seen[j] | (n > 1 && seen[j + 1]) | (n > 2 && seen[j + 2]) | (n > 3 && seen[j + 3]))) {
+      for (int i = 0; i < n; ++i) probs[j + i] = mask_t[j + i];
+      continue;
+    }
+    const float* k[4];
+    for (int i = 0; i < 4; ++i) k[i] = kv + rows[j + (i < n ? i : 0)] * kv_row;
+    floats16 even[4] = {}, odd[4] = {};  // two chains per key: an FMA's latency, not its throughput, bounds one
+    for (int d = 0; d < D; d += 2) {
+      const floats16 q0 = qt[d], q1 = qt[d + 1];
+      for (int i = 0; i < 4; ++i) {
+        even[i] += k[i][d] * q0;
+        odd[i] += k[i][d + 1] * q1;
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      const floats16 s = even[i] + odd[i] + mask_t[j + i];
+      probs[j + i] = s;
+      top = s > top ? s : top;
+    }
+  }
+  floats16 total = {};
+  for (int64_t j = 0; j < S; ++j) {
+    const floats16 s = probs[j];
+    const floats16 p = s == NINF ? (floats16){} : exp16(s - top);
+    probs[j] = p;
+    total += p;
+  }
+  constexpr int QB = DC == 4 ? 6 : 3;  // lanes per pass: QB * DC accumulators stay in registers
+  for (int l0 = 0; l0 < lanes; l0 += QB) {
+    floats16 acc[QB][DC] = {};
+    for (int64_t j = 0; j < S; ++j) {
+      if (!seen[j]) continue;
+      const float* v = kv + rows[j] * kv_row + v_off;
+      floats16 vj[DC];
+      std::memcpy(vj, v, sizeof vj);
+      const floats16 p = probs[j];
+      for (int l = 0; l < QB; ++l)
+        for (int c = 0; c < DC; ++c) acc[l][c] += p[(l0 + l) & 15] * vj[c];
+    }
+    for (int l = 0; l < QB && l0 + l < lanes; ++l) {
+      const float inv = 1.f / total[l0 + l];
+      for (int c = 0; c < DC; ++c) {
+        const floats16 o = acc[l][c] * inv;
+        std::memcpy(out[l0 + l] + c * 16, &o, sizeof o);
+      }
+    }
+  }
+}
+
+// mask_t[j] lane l = lane_mask[l][j]; seen[j]: some lane sees key j
+void transpose_mask(const float* const* lane_mask, int64_t S, float* __restrict mask_t, uint8_t* __restrict seen) {
+  for (int64_t j = 0; j < S; ++j) {
+    bool any = false;
+    for (int l = 0; l < 16; ++l) {
+      const float m = lane_mask[l][j];
+      mask_t[j * 16 + l] = m;
+      any |= m != NINF;
+    }
+    seen[j] = any;
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend_lanes64(const floats16* qt, const float* kv, int64_t kv_row, int64_t v_off, const int64_t* rows,
+                    const floats16* mask_t, const uint8_t* seen, int64_t S, floats16* probs, int lanes, float* const* out) {
+  attend_lanes<4>(qt, kv, kv_row, v_off, rows, mask_t, seen, S, probs, lanes, out);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend_lanes128(const floats16* qt, const float* kv, int64_t kv_row, int64_t v_off, const int64_t* rows,
+                     const floats16* mask_t, const uint8_t* seen, int64_t S, floats16* probs, int lanes, float* const* out) {
+  attend_lanes<8>(qt, kv, kv_row, v_off, rows, mask_t, seen, S, probs, lanes, out);
+}
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous(),
               name, ": expected a contiguous float32 CPU tensor");
@@ -159,9 +273,64 @@ torch::Tensor argmax(const torch::Tensor& x) {
   return out;
 }
 
+// q [B, Q, H, D] (rows of D contiguous), cache [rows, 2, Hkv, D] (K, V), read_rows [B, S] int64, mask [B, 1, Q, S]
+// additive (0 / -inf) -> [B, Q, H, D]: softmax(q k^T / sqrt(D) + mask) v, the keys and values of
+// sequence b being cache rows read_rows[b] (kernels/attention.py `attend` over the gathered rows;
+// query head h reads KV head h / (H / Hkv)). D is 64 or 128.
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& read_rows,
+                              const torch::Tensor& mask) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat && q.stride(-1) == 1,
+              "q: expected a float32 CPU tensor with contiguous rows");
+  check_rows(cache, "cache");
+  check_rows(mask, "mask");
+  TORCH_CHECK(q.dim() == 4 && cache.dim() == 4 && cache.size(1) == 2 && cache.size(3) == q.size(3),
+              "q [B, Q, H, D], cache [rows, 2, Hkv, D]: shapes do not match");
+  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t Hkv = cache.size(2), G = H / Hkv, S = read_rows.size(1), QG = Q * G;
+  TORCH_CHECK(D == 64 || D == 128, "q: head_dim 64 or 128, got ", D);
+  TORCH_CHECK(H % Hkv == 0, "q: ", H, " heads do not share ", Hkv, " KV heads");
+  TORCH_CHECK(read_rows.device().is_cpu() && read_rows.scalar_type() == torch::kLong && read_rows.is_contiguous() &&
+              read_rows.dim() == 2 && read_rows.size(0) == B, "read_rows: expected contiguous int64 [", B, ", S]");
+  TORCH_CHECK(mask.numel() == B * Q * S, "mask: expected [", B, ", 1, ", Q, ", ", S, "]");
+  const int64_t* rp = read_rows.data_ptr<int64_t>();
+  const int64_t cache_rows = cache.size(0);
+  TORCH_CHECK(std::all_of(rp, rp + B * S, [&](int64_t r) { return 0 <= r && r < cache_rows; }),
+              "read_rows: a row outside the cache");
+  auto out = torch::empty({B, Q, H, D}, q.options());
+  const float *qp = q.data_ptr<float>(), *cp = cache.data_ptr<float>(), *mp = mask.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  float* op = out.data_ptr<float>();
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const int64_t tiles = (QG + 15) / 16;
+  at::parallel_for(0, B * Hkv * tiles, 1, [&](int64_t lo, int64_t hi) {
+    Vectors qt_(D), mask_(S), probs_(S);
+    floats16 *qt = qt_.data, *mask_t = mask_.data, *probs = probs_.data;
+    float *qt_lanes = reinterpret_cast<float*>(qt), *mask_lanes = reinterpret_cast<float*>(mask_t);
+    float* outs[16];
+    std::vector<uint8_t> seen(S);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / (Hkv * tiles), g = t / tiles % Hkv, first = t % tiles * 16;
+      const int lanes = static_cast<int>(std::min<int64_t>(16, QG - first));
+      const float* lane_mask[16];  // lanes past the tile's queries repeat its first (their output is dropped)
+      for (int l = 0; l < 16; ++l) {
+        const int64_t i = first + (l < lanes ? l : 0), qi = i / G, h = g * G + i % G;
+        const float* qv = qp + b * qs0 + qi * qs1 + h * qs2;
+        for (int64_t d = 0; d < D; ++d) qt_lanes[d * 16 + l] = qv[d] * scale;
+        lane_mask[l] = mp + (b * Q + qi) * S;
+        outs[l] = op + ((b * Q + qi) * H + h) * D;
+      }
+      transpose_mask(lane_mask, S, mask_lanes, seen.data());
+      (D == 64 ? attend_lanes64 : attend_lanes128)(qt, cp + g * D, 2 * Hkv * D, Hkv * D, rp + b * S,
+                                                   mask_t, seen.data(), S, probs, lanes, outs);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "w * x / rms(x) over the last dimension");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head RMS norm of q and k, then RoPE");
   m.def("argmax", &argmax, "first index of each row's maximum (or first NaN), as torch.argmax");
+  m.def("paged_attention", &paged_attention, "attention of each sequence's queries over its cache rows");
 }

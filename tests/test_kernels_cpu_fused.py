@@ -72,6 +72,56 @@ def test_argmax_gives_torch_argmax_integers_with_ties_nans_and_infinities(ext, w
         assert torch.equal(ext.argmax(x.view(2, -1, width)), x.view(2, -1, width).argmax(-1))
 
 
+def _attention_case(B: int, Q: int, H: int, Hkv: int, D: int, S: int, seed: int = 0):
+    """Queries, a cache of 3 * S * B rows, each sequence's S rows (runs and scattered rows), and a
+    mask with causal and window holes, keys no query sees, and padded queries that see all."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(3 * S * B + 5, 2, Hkv, D, generator=g)
+    q = torch.randn(B, Q, H, D, generator=g)
+    rows = torch.stack([torch.randperm(cache.shape[0], generator=g)[:S] if b % 2 else
+                        torch.arange(b * S, (b + 1) * S) for b in range(B)])
+    seen = torch.rand(B, 1, Q, S, generator=g) < 0.6
+    seen[..., 0] = True  # every query sees a key
+    if S > 3:
+        seen[..., -2:] = False  # keys no query sees (a shorter sequence's padding)
+    if Q > 1:
+        seen[B // 2, :, -1] = True  # a padded query: it sees every key
+    return q, cache, rows, torch.where(seen, 0.0, float("-inf"))
+
+
+@pytest.mark.parametrize("B,Q,H,Hkv,D,S", [(1, 1, 4, 2, 64, 1), (3, 1, 4, 2, 64, 70), (16, 6, 4, 2, 64, 330),
+                                           (2, 4, 8, 2, 128, 37), (5, 9, 4, 4, 64, 23), (2, 20, 4, 2, 64, 150)])
+def test_paged_attention_matches_attention_over_the_gathered_rows(ext, B, Q, H, Hkv, D, S):
+    """Every shape the decode step uses (one query per sequence, a k = 5 verify, head_dim 128, no
+    GQA) and more queries than one register holds (Q * H / Hkv > 16)."""
+    q, cache, rows, mask = _attention_case(B, Q, H, Hkv, D, S)
+    out = ext.paged_attention(q, cache, rows, mask)
+    assert close(out, cpu_fused.paged_attention_reference(q, cache, rows, mask))
+
+
+def test_paged_attention_reads_strided_queries_and_a_cache_view(ext):
+    """The layer's q is a slice of its fused q/k tensor, and its cache a view from the layer's first
+    row on (KVStore.kv_rows)."""
+    q, cache, rows, mask = _attention_case(4, 6, 4, 2, 64, 40)
+    qk = torch.cat((q, torch.randn(4, 6, 2, 64)), 2)  # [B, Q, H + Hkv, D]
+    view = torch.cat((torch.randn(7, 2, 2, 64), cache))[7:]
+    assert close(ext.paged_attention(qk[:, :, :4], view, rows, mask),
+                 cpu_fused.paged_attention_reference(q, cache, rows, mask))
+
+
+def test_paged_attention_refuses_rows_outside_the_cache_and_shapes_it_does_not_take(ext):
+    q, cache, rows, mask = _attention_case(2, 1, 4, 2, 64, 8)
+    with pytest.raises(RuntimeError, match="a row outside the cache"):
+        ext.paged_attention(q, cache, torch.where(rows == rows[1, 3], cache.shape[0], rows), mask)
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+        ext.paged_attention(q[..., :32].contiguous(), cache[..., :32].contiguous(), rows, mask)
+    with pytest.raises(RuntimeError, match="mask: expected"):
+        ext.paged_attention(q, cache, rows, mask[:, :, :, :4].contiguous())
+    with torch.inference_mode():  # the dispatch point sends a head_dim it has no kernel for to the reference
+        odd = (q[..., :32].contiguous(), cache[..., :32].contiguous(), rows, mask)
+        assert torch.equal(cpu_fused.paged_attention(*odd), cpu_fused.paged_attention_reference(*odd))
+
+
 def test_the_extension_refuses_what_it_does_not_compute_by_name(ext):
     x, w = torch.randn(2, 8), torch.randn(8)
     with pytest.raises(RuntimeError, match="contiguous float32 CPU tensor"):
@@ -114,9 +164,10 @@ def test_the_model_runs_the_fused_ops_when_they_are_built(ext, monkeypatch):
     assert calls.count("rms_norm") == layers + 1  # each layer's input norm, then the final norm
 
 
-def test_the_engine_picks_greedy_tokens_and_accepts_drafts_with_the_fused_argmax(ext, monkeypatch):
-    """Prefill's first token, each draft and each verify: the extension's argmax, and the reply is the
-    one torch.argmax gives (BATON_KERNELS=torch would run that)."""
+def test_the_engine_picks_greedy_tokens_and_accepts_drafts_with_the_fused_argmax_and_attention(ext, monkeypatch):
+    """Prefill's first token, each draft and each verify: the extension's argmax, and decode's
+    attention the extension's paged_attention; the reply is the one torch.argmax and SDPA over the
+    gathered rows give (BATON_KERNELS=torch would run those)."""
     from baton.shared.engine.local import LocalEngine
     from baton.shared.engine.runner import SpecConfig
     from baton.shared.model.checkpoint import load_model
@@ -134,6 +185,7 @@ def test_the_engine_picks_greedy_tokens_and_accepts_drafts_with_the_fused_argmax
         cpu_fused.available.cache_clear()
     assert fused == reference and all(len(out) == 12 for out in fused)
     assert calls.count("argmax") >= 1 + 3 + 1  # prefill; a step's 3 drafts and its verify
+    assert calls.count("paged_attention") >= model.cfg.num_hidden_layers + 3  # a verify's layers, 3 drafts
 
 
 class _Counting:

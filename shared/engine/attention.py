@@ -14,8 +14,9 @@ was overwritten:
     3. each layer call reads the cached rows, attends with the chunk's own K/V, then writes the
        new K/V (sliding layers only the positions storage keeps).
 Where no new row lands on a row the forward reads (always for FULL; for sliding storage when the
-chunks are short enough: decode, verify, draft), step 3 writes first and reads the cached rows
-and the chunk's own in one gather (`_PoolMeta.read_rows`), with no concatenation per layer.
+chunks are short enough: decode, verify, draft), step 3 writes first and attends over the cached
+rows and the chunk's own where they lie (`_PoolMeta.read_rows`, `cpu_fused.paged_attention`: on
+the CPU no gathered copy, elsewhere one gather), with no concatenation per layer.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from baton.kernels import cpu_fused
 from baton.kernels.attention import attend, chunk_attention, chunk_mask
 from baton.kernels.dispatch import use_triton
 from baton.shared.kv.allocator import KVError
@@ -51,7 +53,7 @@ class _PoolMeta:
     write_rows: torch.Tensor | None = None  # [W] rows the new K/V go to
     write_tokens: torch.Tensor | None = None  # [W] which flat tokens those are; None: all of them
     read_rows: torch.Tensor | None = None  # [B, M+Q] old_rows, then each chunk's own rows (padded):
-    # set where writing first clobbers no row read (then one gather reads both), else None
+    # set where writing first clobbers no row read (then one attention call reads both), else None
 
 
 class StoreAttention:
@@ -176,7 +178,7 @@ class StoreAttention:
 
     def _plan_writes(self, key: PoolKey, reqs) -> None:
         """Where this pool's new K/V go; and, where writing them first clobbers no row the
-        forward reads, the one gather of cached and own rows per layer."""
+        forward reads, the rows each layer attends over, cached and own together."""
         meta = self._meta[key]
         rows, keep = self._writes(key, reqs)
         meta.write_rows, meta.write_tokens = self._device(rows), None if keep is None else self._device(keep)
@@ -222,9 +224,7 @@ class StoreAttention:
         qp = self._padded(q)  # [B, Q, H, D]
         if meta.read_rows is not None and not use_triton(qp):
             cache.index_copy_(0, meta.write_rows, kv)
-            B, S = meta.read_rows.shape  # S = M + Q
-            both = cache.index_select(0, meta.read_rows.view(-1)).view(B, S, *cache.shape[1:])  # [B, S, 2, Hkv, D]
-            return self._unpadded(attend(qp, both, meta.mask))
+            return self._unpadded(cpu_fused.paged_attention(qp, cache, meta.read_rows, meta.mask))
         kvp = self._padded(kv)  # [B, Q, 2, Hkv, D]
         if use_triton(qp):
             out = chunk_attention(qp, self.q_pos, kvp[:, :, 0], kvp[:, :, 1], cache[:, 0], cache[:, 1],
