@@ -21,7 +21,6 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import torch
@@ -38,28 +37,21 @@ from baton.shared.kv.store import KVStore
 from baton.shared.model.model import BatonLM
 from baton.shared.metrics import Stamps
 
+from ..router.public import Outcome
 from ..worker import EngineThread, speculation
 
 log = logging.getLogger("baton.aggregated")
 PREFILL_TOKENS = 4096  # prompt tokens prefilled per turn (at least one prompt): bounds a decode stall
 
 
-@dataclass
-class Outcome:
-    """How a request ended (the router's Flow has the same fields)."""
-    finish_reason: str | None = None
-    error: BatonError | None = None
-    spec: dict = field(default_factory=lambda: {"verify_steps": 0, "drafted": 0, "accepted": 0})
-
-
 class Job:
-    """One request in the engine. Its tokens arrive on `tokens()`; `cancel()` stops it at the
-    next step boundary (ending with finish_reason "abort"). Same surface as the router's Flow."""
+    """One request in the engine, a `RequestFlow` (the router's Flow is the other one): its tokens
+    arrive on `tokens()`; `cancel()` stops it at the next step boundary (finish_reason "abort")."""
 
     def __init__(self, seq: Sequence, decode_gen: torch.Generator | None, wake: Callable[[], None]) -> None:
         self.seq, self.decode_gen, self._wake = seq, decode_gen, wake  # wake(): the engine's batch changed
         self.outcome = Outcome()
-        self.served_by = "aggregated"  # for the router's request log (Flow names its worker pair)
+        self.served_by = "aggregated"  # for the request log (a Flow names its worker pair)
         self.prefill_done = None  # no separate prefill step to time
         self.prompt_logprobs = None  # set at prefill when asked for, before the first tokens
         self.sent = 0  # tokens pushed so far
@@ -79,11 +71,8 @@ class Job:
             self._wake()
 
     def stop(self) -> None:
-        """A stop string matched (Flow's hook): end at the next step; the counts come with the end."""
+        """A stop string matched: end at the next step; the counts come with the end."""
         self.cancel("stop string")
-
-    def worker_left(self, worker_id: str, reason: str) -> None:
-        """Flow's hook for a departed worker: an in-process job has none."""
 
     async def tokens(self) -> AsyncIterator[tuple[list[int], Logprobs | None]]:
         """(token ids, their logprobs if asked for) as they are generated; afterwards `outcome`

@@ -1,9 +1,10 @@
 """aggregated: the baseline for comparison, one process doing prefill and decode together.
 
 It serves the public API itself (`baton.v1.generate` and `baton.v1.cancel`, in the routers'
-queue group) with the router's own request handling: the same validation, tokenization, text
-deltas, stop strings, stream chunks and summaries (it is a `Router` whose flows are jobs of the
-in-process `AggregatedEngine` instead of prefill -> NIXL -> decode). No registry, no NIXL.
+queue group) with the router's own request handling, `PublicAPI`: the same validation,
+tokenization, text deltas, stop strings, stream chunks and summaries, over jobs of the in-process
+`AggregatedEngine` instead of the router's flows through prefill -> NIXL -> decode. No registry,
+no NIXL.
 
     python -m baton.services.aggregated --nats-url nats://127.0.0.1:4222
 """
@@ -13,37 +14,34 @@ import asyncio
 import logging
 
 from baton.proto import subjects
-from baton.proto.public import CancelRequest, GenerateRequest
 from baton.shared.bus import Bus
 from baton.shared.config import RouterSection
 from baton.shared.engine.sampling import SamplingParams
+from baton.shared.metrics import ServiceMetrics
 from baton.shared.model.checkpoint import load_model
 from baton.shared.model.tokenizer import TextTokenizer
 
-from ..router.service import Router
+from ..router.public import PublicAPI
 from ..worker import WorkerConfig, use_threads
 from .engine import PREFILL_TOKENS, AggregatedEngine, Job
 
 log = logging.getLogger("baton.aggregated")
 
 
-class AggregatedService(Router):
-    """The router's public handlers over an in-process engine."""
+class AggregatedService:
+    """The public API (the router's `PublicAPI`) over an in-process engine."""
 
     def __init__(self, bus: Bus, engine: AggregatedEngine, tokenizer: TextTokenizer,
                  config: RouterSection = RouterSection()) -> None:
-        super().__init__(bus, engine.runner.model.cfg, tokenizer, config)
-        self.engine = engine
+        self.bus, self.engine = bus, engine
+        self.api = PublicAPI(bus, engine.runner.model.cfg, tokenizer, config, self._open_flow,
+                             ServiceMetrics("router"))
 
     async def start(self) -> None:
-        await self.bus.serve(subjects.GENERATE, GenerateRequest, self.generate, queue=subjects.ROUTER_QUEUE,
-                             max_in_flight=self.config.max_in_flight)
-        await self.bus.serve(subjects.CANCEL, CancelRequest, self.cancel, queue=subjects.ROUTER_QUEUE)
-        await self.bus.serve(subjects.ROUTER_CANCEL, CancelRequest, self.cancel_owned)
+        await self.api.serve()
 
     async def stop(self) -> None:
-        for job in self.flows.values():
-            job.cancel("service shutting down")
+        self.api.close("service shutting down")
 
     async def _open_flow(self, request_id: str, ids: list[int], max_tokens: int, sampling) -> Job:
         params = SamplingParams.of(sampling, sampling.seed)
@@ -78,5 +76,5 @@ async def serve(stop: asyncio.Event, bus: Bus, config: WorkerConfig, prefill_tok
     """Serve until `stop` is set; then finish in-flight requests (10 s grace) and close `bus`."""
     service = await open_service(bus, config, prefill_tokens)
     await stop.wait()
-    log.info("stopping: no new requests; %d in flight", len(service.flows))
+    log.info("stopping: no new requests; %d in flight", len(service.api.flows))
     await close_service(service)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable
 
 import msgspec
@@ -28,6 +28,7 @@ from baton.shared.metrics import Stamps
 
 from .admission import AdmissionQueue
 from .directory import Directory
+from .public import Outcome
 from .tokens import TokenInbox
 
 log = logging.getLogger("baton.router.flow")
@@ -48,14 +49,6 @@ class RouterTimeouts:
     def of(cls, router: RouterSection) -> RouterTimeouts:
         return cls(request_s=router.request_timeout_s, first_token_s=router.first_token_timeout_s,
                    idle_s=router.idle_timeout_s, control_s=router.control_timeout_s)
-
-
-@dataclass
-class Outcome:
-    """What ended a flow: `finish_reason` or an error."""
-    finish_reason: str | None = None
-    error: BatonError | None = None
-    spec: dict = field(default_factory=lambda: {"verify_steps": 0, "drafted": 0, "accepted": 0})
 
 
 class AttemptLost(Exception):
