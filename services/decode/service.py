@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from baton.shared.transfer.notices import request_tag
 from ..worker import Worker, WorkerConfig, publish_changes, snapshot_message, speculation
 
 log = logging.getLogger("baton.decode")
+PARK_S = 0.5  # how long an engine thread with nothing to step waits for an arrival before returning
 
 
 @dataclass
@@ -69,9 +71,10 @@ class DecodeWorker(Worker):
         self.requests: dict[int, Request] = {}  # by tag
         self.wake = asyncio.Event()
         self._joining: deque[Request] = deque()  # arrived, for the engine thread to start (loop appends)
+        self._engine_wake = threading.Event()  # an arrival, a release, closing: wakes a parked engine thread
         self._members: list[Request] = []  # the batch: the engine thread's alone while a run is in flight
         self._closing = False  # the step loop stopped: a run in flight returns after its step
-        self._stepping = False  # a run is in flight on the engine thread (read by the NIXL thread)
+        self._stepping = False  # the engine thread is stepping (read by the NIXL thread; parked: False)
         self.agent.engine_busy = lambda: self._stepping
         self.probe_prefix = bus.connection.new_inbox()  # <prefix>.<tag>: the reply subject of a request's chunks
         self._loops: list[asyncio.Task] = []
@@ -111,6 +114,7 @@ class DecodeWorker(Worker):
             await asyncio.sleep(0.05)
         for req in list(self.requests.values()):
             req.abort = req.abort or "decode worker shutting down"
+        self._engine_wake.set()
         self.wake.set()
 
     async def _peer_left(self, worker_id: str) -> None:
@@ -214,6 +218,7 @@ class DecodeWorker(Worker):
         req.abort, req.released_as = reason, finish_reason
         if not req.arrived:
             self.agent.arrivals.abort(tag, req.abort)
+        self._engine_wake.set()
         self.wake.set()
 
     # --- arrivals -------------------------------------------------------------------------
@@ -232,6 +237,7 @@ class DecodeWorker(Worker):
                     await self._publish_first(req, first_token_at(req.aux_address))
                 req.arrived = True
                 self._joining.append(req)  # the engine thread starts it before its next step
+                self._engine_wake.set()
                 self.wake.set()
             elif event.kind is EventKind.FAILED:
                 req.failed = True
@@ -271,7 +277,8 @@ class DecodeWorker(Worker):
                 else:
                     await self._idle()
         finally:
-            self._closing = True  # a run still in flight returns after its step
+            self._closing = True  # a run still in flight returns after its step (or parking)
+            self._engine_wake.set()
 
     async def _run_batch(self) -> None:
         """One run of the engine thread; streams each step's tokens, finishes the requests that
@@ -280,20 +287,25 @@ class DecodeWorker(Worker):
 
         def post(item: tuple) -> None:  # engine thread -> loop, in order
             loop.call_soon_threadsafe(posted.put_nowait, item)
-        self._stepping = True
-        try:
-            run = asyncio.ensure_future(self.engine.call(self._run, post))
-            run.add_done_callback(lambda _: posted.put_nowait(None))  # after everything it posted
-            while (item := await posted.get()) is not None:
-                await self._after(*item)
-            return run.result()
-        finally:
-            self._stepping = False
+        run = asyncio.ensure_future(self.engine.call(self._run, post))
+        run.add_done_callback(lambda _: posted.put_nowait(None))  # after everything it posted
+        while (item := await posted.get()) is not None:
+            await self._after(*item)
+        return run.result()
 
     def _run(self, post: Callable[[tuple], None]) -> None:
-        """Engine thread: step the batch until it is empty; before each step, requests that ended
-        leave it and arrived ones join it (`_rebatch`)."""
-        while members := self._rebatch(post):
+        """Engine thread: step the batch; before each step, requests that ended leave it and
+        arrived ones join it (`_rebatch`). With the batch empty it parks up to PARK_S for the next
+        arrival or release (woken by `_engine_wake`, not by a round trip through the loop), then returns."""
+        while True:
+            self._engine_wake.clear()
+            members = self._rebatch(post)
+            if not members:
+                self._stepping = False
+                if self._closing or not self._engine_wake.wait(PARK_S):
+                    return
+                continue
+            self._stepping = True
             start = time.perf_counter()
             emitted = self.runner.step([r.seq for r in members])
             self.metrics.step_seconds.observe(time.perf_counter() - start)
