@@ -1,11 +1,16 @@
 """Decode's batch between two steps (`DecodeWorker._rebatch`, on the engine thread): who leaves,
-who joins, what the loop is told (pure logic; the worker's other parts are stand-ins)."""
+who joins, what the loop is told; and a run whose step raises (pure logic; the worker's other
+parts are stand-ins)."""
+import asyncio
+import threading
 from collections import deque
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import pytest
 
+from baton.services.decode import service as decode_service
 from baton.services.decode.service import DecodeWorker, Request
+from baton.shared.transfer.notices import request_tag
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import Sequence
 
@@ -92,3 +97,53 @@ def test_the_run_ends_when_the_batch_is_empty_or_the_worker_closes():
     w, started = worker(joining=[b])
     w._closing = True
     assert rebatch(w) == ([], []) and started == []
+
+
+def test_a_step_that_raises_fails_its_batch_and_the_service_goes_on(monkeypatch):
+    """Every request of the batch gets an error reply and its slots back; a request that arrives
+    after runs in a new batch."""
+    monkeypatch.setattr(decode_service, "PARK_S", 0.01)  # an idle run returns soon
+    a, b, c = request("a"), request("b"), request("c")
+    stepped, errors, finished, freed = [], [], [], []
+
+    def step(seqs):
+        stepped.append([s.request_id for s in seqs])
+        if len(stepped) == 1:
+            raise RuntimeError("kernel fault")
+        for s in seqs:
+            s.finish_reason = "length"
+        return [[7] for _ in seqs]
+
+    async def publish_error(req, error):
+        errors.append((req.seq.request_id, error.code.value, error.message))
+
+    async def finish(tag, req, reason):
+        finished.append((req.seq.request_id, reason))
+        w.requests.pop(tag, None)
+
+    async def publish(req, tokens):
+        pass
+
+    async def engine_call(fn, *args):
+        return await asyncio.to_thread(fn, *args)
+    w, _ = worker(joining=[a, b])
+    w.__dict__.update(
+        _start=lambda req: None, _stepping=False, _engine_wake=threading.Event(),
+        engine=SimpleNamespace(call=engine_call), runner=SimpleNamespace(step=step),
+        metrics=SimpleNamespace(step_seconds=SimpleNamespace(observe=lambda s: None),
+                                tokens=SimpleNamespace(inc=lambda n: None)),
+        store=SimpleNamespace(free=freed.append), requests={request_tag(r.seq.request_id): r for r in (a, b, c)},
+        _publish_error=publish_error, _finish=finish, _publish=publish)
+    for name in ("_run_batch", "_run", "_rebatch", "_after", "_fail_batch"):
+        setattr(w, name, MethodType(getattr(DecodeWorker, name), w))
+
+    async def scenario():
+        await asyncio.wait_for(w._run_batch(), 10)  # its step raises: the run ends, the batch fails
+        w._joining.append(c)
+        await asyncio.wait_for(w._run_batch(), 10)  # the next request: a new batch, to its end
+    asyncio.run(scenario())
+    assert stepped == [["a", "b"], ["c"]]
+    assert [(rid, code) for rid, code, _ in errors] == [("a", "internal"), ("b", "internal")]
+    assert all("a decode step failed: RuntimeError: kernel fault" in message for _, _, message in errors)
+    assert freed == ["a", "b"] and finished == [("c", "length")]
+    assert w._members == [] and not w._stepping and list(w.requests) == []

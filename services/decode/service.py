@@ -291,7 +291,17 @@ class DecodeWorker(Worker):
         run.add_done_callback(lambda _: posted.put_nowait(None))  # after everything it posted
         while (item := await posted.get()) is not None:
             await self._after(*item)
-        return run.result()
+        if run.exception() is not None:
+            await self._fail_batch(run.exception())
+
+    async def _fail_batch(self, exc: BaseException) -> None:
+        """Loop, after a run whose step raised: every request of its batch gets an error reply and
+        its slots back (no step holds them any more); the service goes on with the next arrivals."""
+        members, self._members, self._stepping = self._members, [], False
+        log.error("a decode step failed; its %d requests fail", len(members), exc_info=exc)
+        for req in members:
+            req.failed, req.abort = True, f"a decode step failed: {type(exc).__name__}: {exc}"
+        await self._after("rebatch", members, [])
 
     def _run(self, post: Callable[[tuple], None]) -> None:
         """Engine thread: step the batch; before each step, requests that ended leave it and
