@@ -135,6 +135,10 @@ class WorkerSection:
     num_slots: int = key(64, "requests resident at once per worker", between(1), flag="--num-slots")
     max_batch: int = key(64, "prompts per prefill batch / sequences per decode step", between(1), flag="--max-batch")
     prefill_chunk: int = key(256, "prompt tokens per prefill forward", between(1))
+    prefill_batch_tokens: int = key(512, "prefill: prompt tokens one batch takes (a longer prompt runs alone), so "
+                                         "a burst of prompts reaches decode in parts while the rest compute; "
+                                         "0: every queued prompt in one batch", between(0),
+                                    flag="--prefill-batch-tokens")
     prefix_cache: int = key(64, "prefill: ends of computed prompts kept, so a prompt that extends one (the next "
                                "turn) computes only its new tokens; 0: off", between(0), flag="--prefix-cache")
     turn_cache: int = key(64, "decode: finished requests' prompts whose full-attention KV is kept, so the next "

@@ -1,19 +1,20 @@
 """Prefill's bookkeeping of dispatched requests and their targets (pure logic)."""
 import asyncio
+from collections import deque
 
 import pytest
 
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import PrefillDispatch, SamplingParams
 from baton.services.prefill import jobs as jobs_module
-from baton.services.prefill.jobs import Job, Jobs, Target
+from baton.services.prefill.jobs import Job, Jobs, Target, take_batch
 
 pytestmark = pytest.mark.unit
 LOOP = asyncio.new_event_loop()  # jobs only need a loop to make their futures; nothing runs on it
 
 
-def new_job(request_id: str) -> Job:
-    dispatch = PrefillDispatch(request_id=request_id, token_ids=[1, 2], sampling=SamplingParams())
+def new_job(request_id: str, prompt_tokens: int = 2) -> Job:
+    dispatch = PrefillDispatch(request_id=request_id, token_ids=[1] * prompt_tokens, sampling=SamplingParams())
     return Job(dispatch, LOOP.create_future())
 
 
@@ -69,3 +70,30 @@ def test_removed_jobs_are_forgotten():
     assert "r1" in jobs
     jobs.remove(job)
     assert "r1" not in jobs
+
+
+def queue_of(*prompt_tokens: int) -> deque[Job]:
+    return deque(new_job(f"r{i}", n) for i, n in enumerate(prompt_tokens))
+
+
+def test_a_batch_takes_prompts_in_order_up_to_its_token_bound():
+    queue = queue_of(128, 128, 128, 128, 128, 64)
+    batches = []
+    while queue:
+        batches.append([job.request_id for job in take_batch(queue, max_prompts=64, max_tokens=512)])
+    assert batches == [["r0", "r1", "r2", "r3"], ["r4", "r5"]]
+
+
+def test_a_prompt_longer_than_the_bound_runs_alone_and_nothing_overtakes_it():
+    queue = queue_of(100, 1000, 10)
+    assert [j.request_id for j in take_batch(queue, 64, 512)] == ["r0"]  # r1 does not fit beside r0
+    assert [j.request_id for j in take_batch(queue, 64, 512)] == ["r1"]  # alone, over the bound
+    assert [j.request_id for j in take_batch(queue, 64, 512)] == ["r2"]
+    assert not queue
+
+
+def test_a_batch_takes_at_most_max_prompts_and_a_zero_bound_takes_any_tokens():
+    queue = queue_of(*[1000] * 5)
+    assert len(take_batch(queue, max_prompts=3, max_tokens=0)) == 3
+    assert len(take_batch(queue, max_prompts=3, max_tokens=0)) == 2
+    assert take_batch(queue, max_prompts=3, max_tokens=0) == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from baton.proto.errors import BatonError
@@ -97,3 +98,18 @@ class Jobs:
             return
         job.outcome = outcome
         job.settled.set()
+
+
+def take_batch(queue: deque[Job], max_prompts: int, max_tokens: int) -> list[Job]:
+    """The next batch from the head of `queue`, in order: up to `max_prompts` jobs whose prompts
+    add up to at most `max_tokens` tokens (0: no token bound). The first job is always taken, so
+    a prompt longer than the bound runs alone. A bounded batch ends sooner and hands its requests
+    to decode while the next one computes (a burst of prompts is pipelined, not prefilled whole)."""
+    jobs, tokens = [], 0
+    while queue and len(jobs) < max_prompts:
+        n = len(queue[0].dispatch.token_ids)
+        if jobs and max_tokens and tokens + n > max_tokens:
+            break
+        jobs.append(queue.popleft())
+        tokens += n
+    return jobs

@@ -3,8 +3,8 @@ draft state travels), WRITE the state into decode's reserved slots over NIXL, re
 
 The router dispatches a prompt and reserves decode slots at the same time; where the state goes
 (a PrefillTarget) arrives while the prompt computes, so the reservation costs no latency.
-Dispatches queue up; a batcher runs every queued prompt in one chunked, batched forward on the
-engine thread, stages each request whose target is known (aux row, descriptors), and starts one
+Dispatches queue up; a batcher runs the queued prompts in chunked, batched forwards on the engine
+thread (a batch takes up to `prefill_batch_tokens` prompt tokens, so a burst reaches decode in parts), stages each request whose target is known (aux row, descriptors), and starts one
 WRITE per request; a request whose target is still to come waits for it (or for its release, or
 the transfer deadline) holding its computed state. A request's own slots are freed only once its
 WRITE is finished or failed (nothing in flight), or it was released.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import msgpack
 import torch
@@ -38,7 +38,7 @@ from baton.shared.transfer.regions import Descriptor
 from baton.shared.metrics import log_request
 
 from baton.shared.transfer.notices import request_tag
-from .jobs import Job, Jobs, Target
+from .jobs import Job, Jobs, Target, take_batch
 from ..worker import Worker, WorkerConfig, publish_changes, snapshot_message, speculation
 
 log = logging.getLogger("baton.prefill")
@@ -57,7 +57,8 @@ class PrefillWorker(Worker):
                       if config.worker.prefix_cache else None)
         self._evictions_counted = 0  # of cache.evictions, those in the metrics already
         self.capacity = self.store.free_capacity()  # what the loop reports: the engine thread's snapshot
-        self.queue: asyncio.Queue[Job] = asyncio.Queue()
+        self.queue: deque[Job] = deque()  # dispatched, not yet batched (in order)
+        self._queued = asyncio.Event()  # set when the queue gets a job
         self.jobs = Jobs()
         self.queued_tokens = 0
         self.requests_total = 0
@@ -72,7 +73,7 @@ class PrefillWorker(Worker):
         free = self.capacity
         self.metrics.free_pages.set(free.pages)
         self.metrics.free_slots.set(free.slots)
-        self.metrics.queue.set(self.queue.qsize())
+        self.metrics.queue.set(len(self.queue))
         return WorkerLoad(free_pages=free.pages, free_slots=free.slots, active_requests=len(self.jobs),
                           queued_prompt_tokens=self.queued_tokens, requests_total=self.requests_total,
                           draining=self.draining)
@@ -143,7 +144,8 @@ class PrefillWorker(Worker):
         self.jobs.add(job)
         self.queued_tokens += len(req.token_ids)
         self.requests_total += 1
-        self.queue.put_nowait(job)
+        self.queue.append(job)
+        self._queued.set()
         try:
             return await job.done
         finally:
@@ -189,9 +191,10 @@ class PrefillWorker(Worker):
 
     async def _batcher(self) -> None:
         while True:
-            jobs = [await self.queue.get()]
-            while not self.queue.empty() and len(jobs) < self.config.worker.max_batch:
-                jobs.append(self.queue.get_nowait())
+            while not self.queue:
+                self._queued.clear()
+                await self._queued.wait()
+            jobs = take_batch(self.queue, self.config.worker.max_batch, self.config.worker.prefill_batch_tokens)
             self.queued_tokens -= sum(len(j.dispatch.token_ids) for j in jobs)
             started = time.monotonic()
             for job in jobs:
