@@ -8,13 +8,15 @@
 (b) aggregated: one process doing prefill and decode on one store
     (`python -m baton.services.aggregated`), with --agg-threads torch threads (default: --threads,
     like each disaggregated engine process).
-Each system gets its own nats-server and runs alone; `baton bench` (baton/loadtest.py) drives
-it over the public API. Prints both tables and a side-by-side one; writes JSON (and PNGs with
---plot and matplotlib). Keep the defaults small on a 2-core machine: they finish in minutes.
+Each system gets its own nats-server; both are started once and stay up, and `baton bench`
+(baton/loadtest.py) drives one at a time over the public API (the other idles). Prints both
+tables and a side-by-side one; writes JSON (and PNGs with --plot and matplotlib). Keep the
+defaults small on a 2-core machine: they finish in minutes.
 
---rounds N runs the pair N times, alternating which goes first (A B, B A, A B, ...), so a machine
-whose speed drifts within minutes (a shared VM) slows both alike; it then prints each round and
-the disaggregated / aggregated tok/s ratio per level and round, with the median.
+--rounds N measures each level N times per system, the two systems' turns back to back and
+alternating which goes first (A B, B A, A B, ...), so a machine whose speed drifts within minutes
+(a shared VM) slows both alike; it then prints each round and the disaggregated / aggregated
+tok/s ratio per level and round, with the median.
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from baton import loadtest
 from baton.services.aggregated import launch
@@ -62,9 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def bench_config(args: argparse.Namespace, url: str, label: str) -> loadtest.BenchConfig:
+def bench_config(args: argparse.Namespace, url: str, label: str, concurrency: int) -> loadtest.BenchConfig:
     return loadtest.BenchConfig(
-        nats_url=url, requests=args.requests, concurrency=[int(c) for c in args.concurrency.split(",")],
+        nats_url=url, requests=args.requests, concurrency=[concurrency],
         input_len=args.input_len, max_tokens=args.max_tokens, model=args.model, warmup=args.warmup,
         seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
         progress=not args.no_progress, label=label)
@@ -74,24 +78,31 @@ def worker_args(args: argparse.Namespace, threads: int) -> list[str]:
     return ["--spec", args.spec, "--draft-tokens", str(args.draft_tokens), "--threads", str(threads)]
 
 
-def run_disaggregated(args: argparse.Namespace, log_dir: Path) -> dict:
+@contextmanager
+def disaggregated(args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
+    """The cluster `baton up` starts, ready; yields its NATS URL."""
     ns = argparse.Namespace(model=args.model, prefill=1, decode=1, log_dir=str(log_dir / "disaggregated"),
                             nats_url=None, nats_port=None)
     cluster = start_cluster(ns, worker_args(args, args.threads))
     try:
         waited = asyncio.run(wait_ready(cluster.nats_url, cluster, 1, 1, 300.0))
         print(f"disaggregated ready in {waited:.1f} s", file=sys.stderr)
-        return asyncio.run(loadtest.run_bench(bench_config(args, cluster.nats_url, "disaggregated")))
+        yield cluster.nats_url
     finally:
         cluster.stop()
 
 
-def run_aggregated(args: argparse.Namespace, log_dir: Path) -> dict:
+@contextmanager
+def aggregated(args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
+    """One aggregated process on its own nats-server, ready; yields the URL."""
     threads = args.agg_threads or args.threads
     (log_dir / "aggregated").mkdir(parents=True, exist_ok=True)
     with NatsServer(jetstream=False) as server:
         with launch.running(server.url, worker_args(args, threads), log_dir / "aggregated" / "aggregated.log", 300.0):
-            return asyncio.run(loadtest.run_bench(bench_config(args, server.url, "aggregated")))
+            yield server.url
+
+
+STARTS = {"disaggregated": disaggregated, "aggregated": aggregated}
 
 
 def side_by_side(results: dict[str, dict], markdown: bool = False) -> str:
@@ -122,15 +133,21 @@ def side_by_side(results: dict[str, dict], markdown: bool = False) -> str:
 
 
 def run_rounds(args: argparse.Namespace, systems: list[str], log_dir: Path) -> list[dict[str, dict]]:
-    """Each system's results, `args.rounds` times; odd rounds run the systems in reverse order."""
-    rounds = []
-    for i in range(args.rounds):
-        results = {}
-        for system in systems if i % 2 == 0 else systems[::-1]:
-            print(f"== round {i + 1}: {system} (logs in {log_dir / system})", file=sys.stderr)
-            results[system] = (run_disaggregated if system == "disaggregated" else run_aggregated)(args, log_dir)
-        rounds.append({system: results[system] for system in systems})
-    return rounds
+    """Each system's results, `args.rounds` times: both systems up at once; per level, round i
+    runs them back to back, in reverse order in odd rounds. -> per round, system -> result."""
+    rounds: list[dict[str, dict]] = [{} for _ in range(args.rounds)]
+    with ExitStack() as stack:
+        urls = {system: stack.enter_context(STARTS[system](args, log_dir)) for system in systems}
+        for level in (int(c) for c in args.concurrency.split(",")):
+            for i, results in enumerate(rounds):
+                for system in systems if i % 2 == 0 else systems[::-1]:
+                    print(f"== c={level}, round {i + 1}: {system} (logs in {log_dir / system})", file=sys.stderr)
+                    result = asyncio.run(loadtest.run_bench(bench_config(args, urls[system], system, level)))
+                    if system in results:
+                        results[system]["runs"] += result["runs"]
+                    else:
+                        results[system] = result
+    return [{system: results[system] for system in systems} for results in rounds]
 
 
 def ratios(rounds: list[dict[str, dict]]) -> dict[str, list[float]]:

@@ -2,6 +2,7 @@
 round's disaggregated / aggregated tok/s per level (pure logic, on made-up results)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -42,10 +43,25 @@ def test_a_level_only_one_system_ran_has_no_ratio(sweep):
     assert sweep.ratios([{"disaggregated": result(c1=90.0)}]) == {}
 
 
-def test_rounds_alternate_which_system_goes_first(sweep, monkeypatch, tmp_path):
-    order = []
-    monkeypatch.setattr(sweep, "run_disaggregated", lambda args, log_dir: order.append("d") or result(c1=1.0))
-    monkeypatch.setattr(sweep, "run_aggregated", lambda args, log_dir: order.append("a") or result(c1=1.0))
-    rounds = sweep.run_rounds(sweep.parse_args(["--rounds", "3"]), ["disaggregated", "aggregated"], tmp_path)
-    assert order == ["d", "a", "a", "d", "d", "a"]
+def test_both_systems_stay_up_and_each_level_alternates_which_goes_first(sweep, monkeypatch, tmp_path):
+    started, order = [], []
+
+    def start(name):
+        @contextlib.contextmanager
+        def up(args, log_dir):
+            started.append(name)
+            yield name
+        return up
+
+    async def bench(config):
+        order.append((config.nats_url, config.concurrency))
+        return result(**{f"c{config.concurrency[0]}": 1.0})
+    monkeypatch.setattr(sweep, "STARTS", {"disaggregated": start("d"), "aggregated": start("a")})
+    monkeypatch.setattr(sweep.loadtest, "run_bench", bench)
+    args = sweep.parse_args(["--rounds", "3", "--concurrency", "1,4"])
+    rounds = sweep.run_rounds(args, ["disaggregated", "aggregated"], tmp_path)
+    assert started == ["d", "a"]  # once each, for the whole sweep
+    assert order == [("d", [1]), ("a", [1]), ("a", [1]), ("d", [1]), ("d", [1]), ("a", [1]),
+                     ("d", [4]), ("a", [4]), ("a", [4]), ("d", [4]), ("d", [4]), ("a", [4])]
     assert [list(r) for r in rounds] == [["disaggregated", "aggregated"]] * 3  # each round in the same order
+    assert [run["name"] for run in rounds[2]["aggregated"]["runs"]] == ["c=1", "c=4"]  # a round holds every level
