@@ -25,7 +25,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def cluster(nats_server):
-    with running_cluster(nats_server) as c:
+    # prefill batches of at most 96 prompt tokens: of window_prompts() (32, 64 and 261 tokens) sent
+    # together, the 261-token one always runs alone (over the bound); every output stays exact
+    with running_cluster(nats_server, worker_args=["--prefill-batch-tokens", "96"]) as c:
         yield c
 
 

@@ -4,8 +4,9 @@ draft state travels), WRITE the state into decode's reserved slots over NIXL, re
 The router dispatches a prompt and reserves decode slots at the same time; where the state goes
 (a PrefillTarget) arrives while the prompt computes, so the reservation costs no latency.
 Dispatches queue up; a batcher runs the queued prompts in chunked, batched forwards on the engine
-thread (a batch takes up to `prefill_batch_tokens` prompt tokens, so a burst reaches decode in parts), stages each request whose target is known (aux row, descriptors), and starts one
-WRITE per request; a request whose target is still to come waits for it (or for its release, or
+thread (a batch takes up to `prefill_batch_tokens` prompt tokens, so a burst reaches decode in
+parts), stages each request whose target is known (aux row, descriptors), and starts one WRITE per
+request; a request whose target is still to come waits for it (or for its release, or
 the transfer deadline) holding its computed state. A request's own slots are freed only once its
 WRITE is finished or failed (nothing in flight), or it was released.
 """
