@@ -562,10 +562,10 @@ async def measure(runs: list[Run], args, prompts, refs, ref_texts, eos, eos_text
                     f"{s['requests'] - s['ok']} failed)")
                 for err, n in s["errors"].items():
                     log(f"    {n} x {err}")
+    hz = os.sysconf("SC_CLK_TCK")
     for run in live:
         run.out["levels"] = {c: combine(rounds) for c, rounds in run.out["rounds"].items()}
         run.out["rss_mb"] = run.server.rss_mb()
-        hz = os.sysconf("SC_CLK_TCK")
         run.out["idle_cpu_pct"] = 100 * run.idle_ticks / hz / run.idle_s if run.idle_s else None
 
 
@@ -663,7 +663,8 @@ async def bench_all(args, model: Path, log_dir: Path, prompts, refs, ref_texts, 
         await measure(runs, args, prompts, refs, ref_texts, eos, EOS_TOKEN)
     finally:
         for run in runs:
-            run.server.stop()
+            if run.ok:  # a server that failed to start was stopped then
+                run.server.stop()
     return [run.out for run in runs]
 
 
