@@ -385,7 +385,7 @@ def test_an_internal_error_from_decode_loses_the_attempt_so_it_is_retried_on_oth
     assert raised.value is refused
 
 
-def test_a_prefill_found_not_listening_is_never_picked_again_until_it_leaves():
+def test_a_prefill_found_not_listening_is_not_picked_again_until_it_leaves():
     """The target went to a prefill whose process is gone ("no responders"): the retry does not
     pick it again (before, with no other prefill, it was picked again and the request failed at
     once); the request waits in the queue instead, and once that prefill has left, a worker
@@ -393,10 +393,25 @@ def test_a_prefill_found_not_listening_is_never_picked_again_until_it_leaves():
     f = Flow(None, Prefills(p=(0, False)), None, RouterTimeouts(), "r", [1], 4, SamplingParams(), None)
     f.prefill_id, f.decode_id = "p", "d"
     lost = AttemptLost(NotListening("no service is listening on baton.internal.v1.prefill.p.target"), "p")
-    f._gone |= {lost.gone}
+    f._mark_gone(lost.gone)
     with pytest.raises(NoCapacity):
         f._pick_prefill(f.directory.of_role("prefill"))
     f.worker_left("p", "lease expired")
+    assert f._pick_prefill(f.directory.of_role("prefill")) == "p"
+
+
+def test_a_worker_found_not_listening_that_never_leaves_is_tried_again_after_the_recheck_time():
+    """A live prefill that a NATS route flap hid (its node restarting) answers no one for a moment
+    but stays registered: the request does not wait for it to leave, which it never does (it
+    timed out in the queue after 30 s), but tries it again once `gone_recheck_s` has passed."""
+    f = Flow(None, Prefills(p=(0, False)), None, RouterTimeouts(gone_recheck_s=15.0), "r", [1], 4,
+             SamplingParams(), None)
+    marked = time.monotonic()
+    f._mark_gone("p")
+    assert marked + 15.0 <= f._gone["p"] <= time.monotonic() + 15.0
+    with pytest.raises(NoCapacity):
+        f._pick_prefill(f.directory.of_role("prefill"))
+    f._gone["p"] = time.monotonic()  # the recheck time has passed
     assert f._pick_prefill(f.directory.of_role("prefill")) == "p"
 
 

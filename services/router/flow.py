@@ -44,6 +44,9 @@ class RouterTimeouts:
     # sent around the reconnect may be lost (decode ends a request whose chunks found no inbox)
     control_s: float = RouterSection.control_timeout_s  # one control round trip (reserve, release)
     prefill_report_s: float = 1.0  # a finished request's wait for prefill's late reply (its usage counts)
+    gone_recheck_s: float = 15.0  # a worker a request found not listening is not picked again by it for this
+    # long, unless it leaves first: past the registry's lease (10 s), so a dead one has left the view by then,
+    # while a live one that a NATS route flap hid (a node restarting) is tried again
 
     @classmethod
     def of(cls, router: RouterSection) -> RouterTimeouts:
@@ -116,7 +119,7 @@ class Flow:
         self._lost_error: BatonError | None = None
         self._prefilled = False
         self._avoid: set[str] = set()  # workers of a failed attempt, skipped by the retry when possible
-        self._gone: set[str] = set()  # workers found not listening: never picked again, until they leave
+        self._gone: dict[str, float] = {}  # workers found not listening -> until when (monotonic) they are skipped
         self._held: dict[str, int] = {}  # load this flow counts against workers in the directory
         self._prefill_work = len(token_ids)  # prompt tokens the picked prefill should compute (its cache has the rest)
         self._chains: tuple[list[int], dict] = (token_ids, {})  # the prompt's block digests, by block size
@@ -142,7 +145,7 @@ class Flow:
         """A worker this request depends on is gone: end the request (or retry it, if no token
         was sent yet) now instead of at a timeout. Prefill matters only until decode streams."""
         error = BatonError(ErrorCode.UNAVAILABLE, f"request {self.request_id}: worker {worker_id} left ({reason})")
-        self._gone.discard(worker_id)  # one registering under this id again is a new process
+        self._gone.pop(worker_id, None)  # one registering under this id again is a new process
         if worker_id == self.decode_id:
             self.events.put_nowait(("decode_lost", error))
         elif worker_id == self.prefill_id and not self._prefilled:
@@ -185,7 +188,8 @@ class Flow:
                         raise lost.error
                     retried, queued_since = True, time.monotonic()
                     self._avoid = {self.prefill_id, self.decode_id} - {None}
-                    self._gone |= {lost.gone} - {None}
+                    if lost.gone:
+                        self._mark_gone(lost.gone)
                     await self._end_attempt("attempt lost")
                     self._new_attempt_id()
                     if sent:  # decode lost mid-stream: continue after what the client has
@@ -253,10 +257,16 @@ class Flow:
         reservation, plan = await self._reserve(self.prefill_id)
         await self._target(reservation, plan)
 
+    def _mark_gone(self, worker_id: str) -> None:
+        """`worker_id` did not answer: no one listens on its subjects (NotListening)."""
+        self._gone[worker_id] = time.monotonic() + self.timeouts.gone_recheck_s
+
     def _prefer_others(self, workers: list) -> list:
-        """`workers` but those found gone; those of a failed attempt only if there is no other.
-        Without one, the request waits in the queue (a gone worker's successor registers)."""
-        workers = [w for w in workers if w.registration.worker_id not in self._gone]
+        """`workers` but those found gone (for `gone_recheck_s`); those of a failed attempt only if
+        there is no other. Without one, the request waits in the queue (a gone worker's successor
+        registers, or the recheck time passes)."""
+        now = time.monotonic()
+        workers = [w for w in workers if self._gone.get(w.registration.worker_id, 0.0) <= now]
         others = [w for w in workers if w.registration.worker_id not in self._avoid]
         return others or workers
 
@@ -309,7 +319,7 @@ class Flow:
                 self._unhold(decode_id)
                 last = exc
                 if isinstance(exc, NotListening):
-                    self._gone.add(decode_id)
+                    self._mark_gone(decode_id)
                 room_may_come |= exc.code in (ErrorCode.BUSY, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT)
                 if exc.code is ErrorCode.TIMEOUT:  # a stalled decode may still reserve it once it wakes up
                     await self._forget_reservation(decode_id)
