@@ -152,10 +152,13 @@ def test_decode_killed_mid_request_continues_on_another(reference):
                 restarted = cluster.worker_ids[len(cluster.children) - 1]
                 replies = []
                 for attempt in range(60):  # until the router sends it work (its view refreshes every 0.5 s);
-                    # six at once: more than the other decode's turn-cache bonus for this prompt
-                    replies += await asyncio.gather(*(outcome(bus, later, 8) for _ in range(6)))
+                    # six at once, and new prompts: no decode holds their last turn, so no turn-cache bonus
+                    # keeps them on the other decode (with `later`, held there, 60 rounds once were not enough)
+                    replies += await asyncio.gather(*(outcome(bus, prompt(50, 100 + 6 * attempt + i), 8)
+                                                      for i in range(6)))
                     if (await worker_loads(cluster.nats_url)).get(restarted, (0,) * 7)[6] > 0:
                         break
+                print(f"the restarted decode took work after {attempt + 1} rounds of six requests")
                 assert all(isinstance(r, GenerateReply) for r in replies), replies
             loads = await wait_all_free(cluster.nats_url, min_requests=1)
             decodes = [v for v in loads.values() if v[0] == "decode"]
