@@ -114,6 +114,11 @@ class DecodeWorker(Worker):
             await asyncio.sleep(0.05)
         for req in list(self.requests.values()):
             req.abort = req.abort or "decode worker shutting down"
+        self._wake()
+
+    def _wake(self) -> None:
+        """Loop: something changed for the batch (an arrival, a release, closing): the step loop and
+        a parked engine thread look again."""
         self._engine_wake.set()
         self.wake.set()
 
@@ -218,8 +223,7 @@ class DecodeWorker(Worker):
         req.abort, req.released_as = reason, finish_reason
         if not req.arrived:
             self.agent.arrivals.abort(tag, req.abort)
-        self._engine_wake.set()
-        self.wake.set()
+        self._wake()
 
     # --- arrivals -------------------------------------------------------------------------
     async def _arrivals(self) -> None:
@@ -237,8 +241,7 @@ class DecodeWorker(Worker):
                     await self._publish_first(req, first_token_at(req.aux_address))
                 req.arrived = True
                 self._joining.append(req)  # the engine thread starts it before its next step
-                self._engine_wake.set()
-                self.wake.set()
+                self._wake()
             elif event.kind is EventKind.FAILED:
                 req.failed = True
                 await self._publish_error(req, BatonError(ErrorCode.INTERNAL, f"state transfer for "
@@ -291,8 +294,8 @@ class DecodeWorker(Worker):
         run.add_done_callback(lambda _: posted.put_nowait(None))  # after everything it posted
         while (item := await posted.get()) is not None:
             await self._after(*item)
-        if run.exception() is not None:
-            await self._fail_batch(run.exception())
+        if (failure := run.exception()) is not None:
+            await self._fail_batch(failure)
 
     async def _fail_batch(self, exc: BaseException) -> None:
         """Loop, after a run whose step raised: every request of its batch gets an error reply and
