@@ -161,12 +161,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first); None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _stat(pid: int) -> tuple[int, int] | None:
     """(parent pid, start time in clock ticks) from /proc/PID/stat; None if it is gone (or a zombie)."""
+    fields = _stat_fields(pid)
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return None if fields[0] == "Z" else (int(fields[1]), int(fields[19]))
-    except (OSError, IndexError, ValueError):
+        return None if fields is None or fields[0] == "Z" else (int(fields[1]), int(fields[19]))
+    except (IndexError, ValueError):
         return None
 
 
@@ -493,14 +501,8 @@ def summarize(results: list[Result], wall: float, refs, ref_texts, eos, eos_text
 def cpu_ticks(server: Server) -> int:
     """CPU clock ticks (user + system) used so far by the server's live process tree."""
     server.tree |= descendants(server.proc.pid)
-    total = 0
-    for pid in [server.proc.pid, *server.tree]:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
+    fields = [_stat_fields(pid) for pid in [server.proc.pid, *server.tree]]
+    return sum(int(f[11]) + int(f[12]) for f in fields if f is not None)  # utime + stime
 
 
 @dataclass
