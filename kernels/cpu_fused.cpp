@@ -332,10 +332,54 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& cache
   return out;
 }
 
+// A decoder layer up to its attention, in one call: x [T, d] -> (q [T, H, D], kv [T, 2, Hkv, D]).
+// The input norm (norm_w [d]), the fused QKV projection over its weight stored transposed
+// (qkv_wt [d, (H + 2 Hkv) D], as `Linear.pack("blas")` keeps it), the q/k norms and RoPE
+// (qk_norm_rope: qk_w [H + Hkv, D], cos, sin [T, D]); kv holds each token's K (normed and
+// rotated) then V, as the KV store keeps them. The same ops, in the same order, as the layer's
+// Python path (shared/model/layers.py): the results are bitwise those.
+std::tuple<torch::Tensor, torch::Tensor> attention_input(const torch::Tensor& x, const torch::Tensor& norm_w,
+                                                         double norm_eps, const torch::Tensor& qkv_wt,
+                                                         const torch::Tensor& qk_w, const torch::Tensor& cos,
+                                                         const torch::Tensor& sin, double qk_eps, int64_t kv_heads) {
+  check_rows(qkv_wt, "qkv_wt");
+  const int64_t T = x.size(0), D = qk_w.size(1), heads = qk_w.size(0) - kv_heads;
+  TORCH_CHECK(kv_heads > 0 && heads > 0 && qkv_wt.size(1) == (heads + 2 * kv_heads) * D,
+              "qkv_wt: expected [d, (heads + 2 kv_heads) head_dim]");
+  auto qkv = at::mm(rms_norm(x, norm_w, norm_eps), qkv_wt).view({T, heads + 2 * kv_heads, D});
+  auto qk = qk_norm_rope(qkv, qk_w, cos, sin, qk_eps);  // [T, H + Hkv, D]
+  auto kv = torch::empty({T, 2, kv_heads, D}, x.options());
+  const int64_t span = kv_heads * D;  // one token's K (or V) heads
+  const float *kp = qk.data_ptr<float>() + heads * D, *vp = qkv.data_ptr<float>() + (heads + kv_heads) * D;
+  float* out = kv.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(out + 2 * t * span, kp + t * (heads + kv_heads) * D, span * sizeof(float));
+    std::memcpy(out + (2 * t + 1) * span, vp + t * (heads + 2 * kv_heads) * D, span * sizeof(float));
+  }
+  return {qk.slice(1, 0, heads), kv};
+}
+
+// The rest of a decoder layer, in one call: x [T, d], attention's output [T, H, D] ->
+// x + o_proj(attention), then + the SwiGLU MLP of that sum's norm (post_w [d]). Weights stored
+// transposed: o_wt [H D, d], gate_up_wt [d, 2 I] (gate, then up), down_wt [I, d]. The same ops,
+// in the same order, as the layer's Python path: bitwise its results.
+torch::Tensor attention_output_mlp(const torch::Tensor& x, const torch::Tensor& attention, const torch::Tensor& o_wt,
+                                   const torch::Tensor& post_w, double eps, const torch::Tensor& gate_up_wt,
+                                   const torch::Tensor& down_wt) {
+  for (auto [t, name] : {std::pair{&o_wt, "o_wt"}, {&gate_up_wt, "gate_up_wt"}, {&down_wt, "down_wt"}}) check_rows(*t, name);
+  const int64_t T = x.size(0), I = down_wt.size(0);
+  TORCH_CHECK(gate_up_wt.size(1) == 2 * I, "gate_up_wt: expected [d, 2 * ", I, "]");
+  auto [sum, normed] = add_rms_norm(x, at::mm(attention.reshape({T, -1}), o_wt), post_w, eps);
+  auto gate_up = at::mm(normed, gate_up_wt);  // [T, 2I]
+  return at::add(sum, at::mm(at::mul(at::silu(gate_up.slice(1, 0, I)), gate_up.slice(1, I)), down_wt));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "w * x / rms(x) over the last dimension");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head RMS norm of q and k, then RoPE");
   m.def("argmax", &argmax, "first index of each row's maximum (or first NaN), as torch.argmax");
   m.def("paged_attention", &paged_attention, "attention of each sequence's queries over its cache rows");
+  m.def("attention_input", &attention_input, "a decoder layer's input norm, QKV projection, q/k norms and RoPE");
+  m.def("attention_output_mlp", &attention_output_mlp, "a decoder layer's output projection, residual, norm and MLP");
 }

@@ -12,13 +12,20 @@ arithmetic in one call each (~2-4 us), on contiguous float32 CPU tensors:
     paged_attention(q, cache, rows, mask)  q [B, Q, H, D], cache [R, 2, Hkv, D], rows [B, S], mask
                                            [B, 1, Q, S] -> attention of sequence b over cache[rows[b]]
                                            [B, Q, H, D] (`attend` without gathering the rows first)
+    attention_input(x, ...)                a decoder layer up to its attention: input norm, QKV
+                                           projection, q/k norms, RoPE -> q [T, H, D], kv [T, 2, Hkv, D]
+    attention_output_mlp(x, attention, ...) the rest: output projection, residual, norm, SwiGLU
+                                           MLP, residual -> [T, d]
 
 paged_attention puts a sequence's query vectors in the lanes of one AVX-512 register, so each
 key costs one vector of FMAs for all of them and the softmax runs lane-wise (its exp is Cephes'
 polynomial, ~1 ulp); it is 3-6x faster than the gather and SDPA it replaces (`bench/cpu_ops.py`).
 argmax gives exactly torch.argmax's integers (ties: the first maximum; a NaN counts as the
 maximum). The others agree with their references to float rounding (another summation order), as
-oneDNN's or BLAS's GEMMs agree with F.linear. The extension is compiled by
+oneDNN's or BLAS's GEMMs agree with F.linear. The two layer ops
+call the other ops and ATen's GEMM, SiLU, product and sum in the layer's own order (projection
+weights stored transposed, as `Linear.pack("blas")` keeps them): bitwise the same results as
+their references, in a third of a layer's Python and dispatch cost. The extension is compiled by
 torch.utils.cpp_extension the first time a process asks for it (~25 s on 2 cores;
 `scripts/bootstrap.sh` does it once) and cached under
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). Where it cannot be built (no C++
@@ -68,7 +75,7 @@ def available() -> bool:
     return kernel_mode() != "torch" and extension() is not None
 
 
-def _takes(x: torch.Tensor) -> bool:
+def takes(x: torch.Tensor) -> bool:
     """The op's main input decides; the others are its weights and tables, of the same dtype and
     device (the extension refuses anything else by name)."""
     return (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and not torch.is_grad_enabled()
@@ -104,6 +111,25 @@ def qk_norm_rope_reference(qkv: torch.Tensor, w: torch.Tensor, cos: torch.Tensor
     return normed * cos + normed.roll(D // 2, dims=-1) * sin
 
 
+def attention_input_reference(x: torch.Tensor, norm_w: torch.Tensor, norm_eps: float, qkv_wt: torch.Tensor,
+                              qk_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_eps: float,
+                              kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """As shared/model/layers.py's SelfAttention up to the attention call (qkv_wt [d, (H + 2 Hkv) D])."""
+    T, D, heads = x.shape[0], qk_w.shape[1], qk_w.shape[0] - kv_heads
+    qkv = rms_norm(x, norm_w, norm_eps).mm(qkv_wt).view(T, heads + 2 * kv_heads, D)
+    qk = qk_norm_rope(qkv, qk_w, cos, sin, qk_eps)  # [T, H + Hkv, D]
+    return qk[:, :heads], torch.stack((qk[:, heads:], qkv[:, heads + kv_heads:]), 1)
+
+
+def attention_output_mlp_reference(x: torch.Tensor, attention: torch.Tensor, o_wt: torch.Tensor, post_w: torch.Tensor,
+                                   eps: float, gate_up_wt: torch.Tensor, down_wt: torch.Tensor) -> torch.Tensor:
+    """As shared/model/layers.py's DecoderLayer after the attention call (weights stored transposed)."""
+    hidden = down_wt.shape[0]
+    total, normed = add_rms_norm(x, attention.reshape(x.shape[0], -1).mm(o_wt), post_w, eps)
+    gate_up = normed.mm(gate_up_wt)  # [T, 2 * hidden]
+    return total + (F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:]).mm(down_wt)
+
+
 def paged_attention_reference(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
                               mask: torch.Tensor) -> torch.Tensor:
     B, S = rows.shape  # index_select, not cache[rows]: 4-5x faster on CPU (docs/benchmarks.md)
@@ -112,28 +138,28 @@ def paged_attention_reference(q: torch.Tensor, cache: torch.Tensor, rows: torch.
 
 # --- dispatch points -----------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if _takes(x):
+    if takes(x):
         return extension().rms_norm(x, w, eps)
     return rms_norm_reference(x, w, eps)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if _takes(x):
+    if takes(x):
         return extension().add_rms_norm(x, delta, w, eps)
     return add_rms_norm_reference(x, delta, w, eps)
 
 
 def qk_norm_rope(qkv: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    if _takes(qkv):
+    if takes(qkv):
         return extension().qk_norm_rope(qkv, w, cos, sin, eps)
     return qk_norm_rope_reference(qkv, w, cos, sin, eps)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] -> [...]: torch.argmax(x, -1), the same integers (greedy tokens, acceptance)."""
-    if _takes(x):
+    if takes(x):
         return extension().argmax(x)
     return x.argmax(-1)
 
@@ -141,7 +167,23 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [B, Q, H, D], cache [R, 2, Hkv, D], rows [B, S] int64, mask [B, 1, Q, S] additive (0 / -inf)
     -> [B, Q, H, D]: each sequence's queries over its cache rows (and the mask)."""
-    if _takes(cache) and q.dtype == mask.dtype == torch.float32 and q.shape[-1] in (64, 128) and \
+    if takes(cache) and q.dtype == mask.dtype == torch.float32 and q.shape[-1] in (64, 128) and \
             q.stride(-1) == 1 and mask.is_contiguous() and rows.is_contiguous():
         return extension().paged_attention(q, cache, rows, mask)
     return paged_attention_reference(q, cache, rows, mask)
+
+
+def attention_input(x: torch.Tensor, norm_w: torch.Tensor, norm_eps: float, qkv_wt: torch.Tensor, qk_w: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, qk_eps: float, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, d] -> q [T, H, D] (normed, rotated), kv [T, 2, Hkv, D] (K normed and rotated, V)."""
+    if takes(x) and takes(qkv_wt):
+        return extension().attention_input(x, norm_w, norm_eps, qkv_wt, qk_w, cos, sin, qk_eps, kv_heads)
+    return attention_input_reference(x, norm_w, norm_eps, qkv_wt, qk_w, cos, sin, qk_eps, kv_heads)
+
+
+def attention_output_mlp(x: torch.Tensor, attention: torch.Tensor, o_wt: torch.Tensor, post_w: torch.Tensor,
+                         eps: float, gate_up_wt: torch.Tensor, down_wt: torch.Tensor) -> torch.Tensor:
+    """x [T, d], attention [T, H, D] -> the layer's output [T, d]."""
+    if takes(x) and takes(attention) and takes(o_wt):
+        return extension().attention_output_mlp(x, attention, o_wt, post_w, eps, gate_up_wt, down_wt)
+    return attention_output_mlp_reference(x, attention, o_wt, post_w, eps, gate_up_wt, down_wt)

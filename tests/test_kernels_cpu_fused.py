@@ -146,20 +146,31 @@ def test_dispatch_runs_the_reference_for_what_the_kernels_do_not_take(ext):
     assert out.grad_fn is not None  # the reference, differentiable
 
 
-def test_the_model_runs_the_fused_ops_when_they_are_built(ext, monkeypatch):
+@pytest.mark.parametrize("projection", ["onednn", "blas"])
+def test_the_model_runs_the_fused_ops_when_they_are_built(ext, monkeypatch, projection):
+    """Projections packed for oneDNN: a layer's norms, q/k norm and RoPE run fused, one op each.
+    Packed for BLAS (weights stored transposed, as the layer ops take them): each layer is two calls."""
+    from baton.shared.model.checkpoint import load_model
+    from baton.shared.model.dense_attention import DenseAttention
+    from baton.shared.model.layers import onednn_packs
+    if projection == "onednn" and not onednn_packs(torch.float32):
+        pytest.skip("oneDNN does not prepack float32 weights on this CPU")
     calls = []
     monkeypatch.setattr(cpu_fused, "extension", lambda: _Counting(ext, calls))
     cpu_fused.available.cache_clear()
     try:
-        from baton.shared.model.checkpoint import load_model
-        from baton.shared.model.dense_attention import DenseAttention
-        model = load_model()
+        model = load_model(projection=projection)
+        calls.clear()
         ids = torch.arange(5, 21)
         with torch.inference_mode():
             model.logits(model.forward_hidden(ids, torch.arange(16), DenseAttention(model.cfg, 1, 16)))
     finally:
         cpu_fused.available.cache_clear()
     layers = model.cfg.num_hidden_layers
+    if projection == "blas":
+        assert calls.count("attention_input") == layers and calls.count("attention_output_mlp") == layers
+        assert calls.count("rms_norm") == 1  # the final norm
+        return
     assert calls.count("qk_norm_rope") == layers and calls.count("add_rms_norm") == layers
     assert calls.count("rms_norm") == layers + 1  # each layer's input norm, then the final norm
 
@@ -179,7 +190,7 @@ def test_the_engine_picks_greedy_tokens_and_accepts_drafts_with_the_fused_argmax
     cpu_fused.available.cache_clear()
     try:
         fused = [s.output for s in engine.generate(prompts, 12)]
-        monkeypatch.setattr(cpu_fused, "_takes", lambda x: False)
+        monkeypatch.setattr(cpu_fused, "takes", lambda x: False)
         reference = [s.output for s in engine.generate(prompts, 12)]
     finally:
         cpu_fused.available.cache_clear()
@@ -195,3 +206,64 @@ class _Counting:
     def __getattr__(self, name):
         self._calls.append(name)
         return getattr(self._ext, name)
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 97])
+def test_the_two_layer_ops_equal_their_references_bit_for_bit(ext, tokens):
+    """attention_input / attention_output_mlp run the same ops in the same order as the layer's
+    Python path (kernels/cpu_fused.py's references): not close, equal."""
+    d, H, Hkv, D, hidden = 256, 4, 2, 64, 640
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, d, generator=g)
+    norm_w, post_w = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    qkv_wt = torch.randn(d, (H + 2 * Hkv) * D, generator=g) * 0.05
+    qk_w = torch.randn(H + Hkv, D, generator=g)
+    angles = torch.rand(tokens, D // 2, generator=g) * 6.28
+    cos = torch.cat((angles, angles), -1).cos()[:, None, :]  # [T, 1, D] as Rotary hands them out
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)[:, None, :]
+    o_wt, down_wt = torch.randn(H * D, d, generator=g) * 0.05, torch.randn(hidden, d, generator=g) * 0.05
+    gate_up_wt = torch.randn(d, 2 * hidden, generator=g) * 0.05
+    attention = torch.randn(tokens, H, D, generator=g)
+    with torch.inference_mode():
+        q, kv = ext.attention_input(x, norm_w, 1e-6, qkv_wt, qk_w, cos, sin, 1e-5, Hkv)
+        ref_q, ref_kv = cpu_fused.attention_input_reference(x, norm_w, 1e-6, qkv_wt, qk_w, cos, sin, 1e-5, Hkv)
+        out = ext.attention_output_mlp(x, attention, o_wt, post_w, 1e-6, gate_up_wt, down_wt)
+        ref_out = cpu_fused.attention_output_mlp_reference(x, attention, o_wt, post_w, 1e-6, gate_up_wt, down_wt)
+    assert q.shape == (tokens, H, D) and kv.shape == (tokens, 2, Hkv, D) and out.shape == (tokens, d)
+    assert torch.equal(q, ref_q) and torch.equal(kv, ref_kv) and torch.equal(out, ref_out)
+
+
+def test_a_layer_runs_fused_with_blas_projections_and_gives_the_module_path_bits(ext, monkeypatch):
+    """With its projections packed for BLAS a decoder layer runs as the two fused ops around its
+    attention. Its output is bitwise the module path's: the target's and the draft's hidden states
+    over a dense batch, and an engine's whole generation over the KV store (prefill, speculative steps)."""
+    from baton.shared.engine.local import LocalEngine
+    from baton.shared.engine.runner import SpecConfig
+    from baton.shared.model.checkpoint import load_model
+    from baton.shared.model.dense_attention import DenseAttention
+    from baton.shared.model.layers import DecoderLayer
+    model = load_model(projection="blas")
+    prompts = [list(range(5, 40)), list(range(100, 107)), list(range(300, 390))]
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(40).repeat(2)
+
+    def run() -> tuple:
+        with torch.inference_mode():
+            dense = DenseAttention(model.cfg, 2, 40)
+            hidden = model.forward_hidden(ids.view(-1), positions, dense)
+            draft = model.draft_hidden(hidden, ids.view(-1), positions, dense)
+            engine = LocalEngine(model, SpecConfig(draft_tokens=3))
+            return hidden, draft, [(s.output, s.finish_reason) for s in engine.generate(prompts, 24)]
+
+    calls = []
+    monkeypatch.setattr(cpu_fused, "extension", lambda: _Counting(ext, calls))
+    cpu_fused.available.cache_clear()
+    try:
+        fused = run()
+        assert calls.count("attention_input") >= 2 * (model.cfg.num_hidden_layers + 1)
+        monkeypatch.setattr(DecoderLayer, "_fused", lambda self, x: False)
+        module = run()
+    finally:
+        cpu_fused.available.cache_clear()
+    assert torch.equal(fused[0], module[0]) and torch.equal(fused[1], module[1])
+    assert fused[2] == module[2] and all(len(out) == 24 for out, _ in fused[2])

@@ -216,11 +216,11 @@ class StoreAttention:
         B, Q = self._q_pos.shape
         return (x if self._uniform else x.index_select(0, self._pad)).view(B, Q, *x.shape[1:])
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]
+    def __call__(self, layer_id: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        # q: [T, H, D]; kv: [T, 2, Hkv, D] -> [T, H, D]
         meta = self._meta[self._pool_of[layer_id]]
         cache = self.store.kv_rows(layer_id)  # [rows, 2, Hkv, D], a view (item-major, see store.py)
-        kv = torch.stack((k, v), 1).to(cache.dtype)  # [T, 2, Hkv, D]
+        kv = kv.to(cache.dtype)
         qp = self._padded(q)  # [B, Q, H, D]
         if meta.read_rows is not None and not use_triton(qp):
             cache.index_copy_(0, meta.write_rows, kv)

@@ -31,8 +31,9 @@ class DenseAttention:
             if window not in self._masks:
                 self._masks[window] = window_mask(pos, pos, window)  # [S, S]
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_id: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         B, S = self.batch, self.seq
+        k, v = kv.unbind(1)  # [T, Hkv, D] each
         H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
         q4 = q.view(B, S, H, D).transpose(1, 2)  # [B, H, S, D]
         k4 = k.view(B, S, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # [B, H, S, D]

@@ -41,9 +41,10 @@ class ChainAttention:
         chain = [delta == level - i for i in range(1, level + 1)]
         return torch.cat([committed, *chain], dim=1)
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_id: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         assert layer_id == self.layer_id, "ChainAttention serves the draft layer only"
         B, S = self.batch, self.seq
+        k, v = kv.unbind(1)  # [T, Hkv, D] each
         H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
         self.keys.append(k.view(B, S, Hkv, D).transpose(1, 2))
         self.values.append(v.view(B, S, Hkv, D).transpose(1, 2))

@@ -28,10 +28,10 @@ from .config import ModelConfig
 
 
 class Attention(Protocol):
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens (RoPE applied) -> out [T, H, D].
+    def __call__(self, layer_id: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, D]; kv: [T, 2, Hkv, D] (K with RoPE applied, then V) for the new tokens -> out [T, H, D].
 
-        Implementations store k/v for the new tokens and attend over every key the query
+        Implementations store kv for the new tokens and attend over every key the query
         may see under the layer's attention type (causal, plus the window for sliding layers).
         """
 
@@ -213,7 +213,7 @@ class SelfAttention(nn.Module):
         qkv = self.qkv_proj.forward(x).view(T, H + 2 * Hkv, self.head_dim)  # [T, H + 2Hkv, D]
         # q and k heads normed and rotated: [T, H + Hkv, D]
         qk = cpu_fused.qk_norm_rope(qkv, self.qk_norm_weight(), *rope, self.q_norm.eps)
-        out = attn(self.layer_id, qk[:, :H], qk[:, H:], qkv[:, H + Hkv:])  # [T, H, D]
+        out = attn(self.layer_id, qk[:, :H], torch.stack((qk[:, H:], qkv[:, H + Hkv:]), 1))  # [T, H, D]
         return self.o_proj.forward(out.reshape(T, H * self.head_dim))
 
     def qk_norm_weight(self) -> torch.Tensor:
@@ -249,7 +249,26 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention) -> torch.Tensor:
+        if self._fused(x):
+            return self._fused_forward(x, rope, attn)
         post = self.post_attention_layernorm
         x, h = cpu_fused.add_rms_norm(x, self.self_attn.forward(self.input_layernorm.forward(x), rope, attn),
                                       post.weight, post.eps)  # x + attention, its norm: [T, d] each
         return x + self.mlp.forward(h)
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether this call runs as two fused CPU ops around the attention: projections packed for
+        BLAS (the weights stored transposed, which the ops take) and an input the ops take."""
+        a, mlp = self.self_attn, self.mlp
+        return (a.qkv_proj.kernel == a.o_proj.kernel == mlp.gate_up_proj.kernel == mlp.down_proj.kernel == "blas"
+                and cpu_fused.takes(x))
+
+    def _fused_forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention) -> torch.Tensor:
+        """`forward` in three calls instead of ~15 (at decode sizes a layer is mostly per-op cost):
+        the same ops in the same order, so the same results bit for bit."""
+        a, mlp, inorm, post = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        q, kv = cpu_fused.attention_input(x, inorm.weight, inorm.eps, a.qkv_proj.packed, a.qk_norm_weight(), *rope,
+                                          a.q_norm.eps, a.kv_heads)  # [T, H, D], [T, 2, Hkv, D]
+        out = attn(a.layer_id, q, kv)  # [T, H, D]
+        return cpu_fused.attention_output_mlp(x, out, a.o_proj.packed, post.weight, post.eps, mlp.gate_up_proj.packed,
+                                              mlp.down_proj.packed)
