@@ -25,7 +25,8 @@ maximum). The others agree with their references to float rounding (another summ
 oneDNN's or BLAS's GEMMs agree with F.linear. The two layer ops
 call the other ops and ATen's GEMM, SiLU, product and sum in the layer's own order (projection
 weights stored transposed, as `Linear.pack("blas")` keeps them): bitwise the same results as
-their references, in a third of a layer's Python and dispatch cost. The extension is compiled by
+their references, ~17 us faster per layer call than the same composition from Python
+(docs/benchmarks.md). The extension is compiled by
 torch.utils.cpp_extension the first time a process asks for it (~25 s on 2 cores;
 `scripts/bootstrap.sh` does it once) and cached under
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). Where it cannot be built (no C++
