@@ -79,12 +79,13 @@ def attention_ops(shapes: list[tuple[int, int, int]]) -> dict:
         cache = torch.randn(4 * B * S, 2, 2, 64)
         q = torch.randn(B, Q, 4, 64)
         rows = torch.randint(0, 3 * B * S, (B, 1)) + torch.arange(S)  # [B, S], a run each
-        length = torch.linspace(S // 2, S, B).long().view(B, 1, 1, 1)
-        mask = torch.where(torch.arange(S).view(1, 1, 1, S) < length, 0.0, float("-inf")).expand(B, 1, Q, S)
-        args = (q, cache, rows, mask.contiguous())
+        length = torch.linspace(S // 2, S, B).long().view(B, 1)  # keys past a sequence's length: not readable
+        q_pos = (length - Q + torch.arange(Q)).contiguous()  # [B, Q]: the last Q readable rows are the chunk's own
+        key_pos = torch.where(torch.arange(S) < length, torch.arange(S), -1)  # [B, S]
+        args = (q, cache, rows, key_pos, q_pos, None)
         out[f"B{B} Q{Q} S{S}"] = {"reference": best_us(lambda: [cpu_fused.paged_attention_reference(*args)
                                                                  for _ in range(20)], 20),
-                                  "fused": best_us(lambda: [ext.paged_attention(*args) for _ in range(20)], 20)}
+                                  "fused": best_us(lambda: [ext.paged_attention(*args[:5], 0) for _ in range(20)], 20)}
     return out
 
 

@@ -31,17 +31,22 @@ import torch.nn.functional as F
 from baton.kernels.dispatch import use_triton
 
 
-def chunk_mask(q_pos, old_pos, window):
-    """[B, Q, M+Q] True where a query may attend a key: cached keys (old_pos) then the chunk's own
-    keys (q_pos). Padded queries attend everything (their output is dropped, and no row is empty).
-    Takes torch tensors or numpy arrays (the serving path builds its masks on the host)."""
-    cat = torch.cat if isinstance(q_pos, torch.Tensor) else np.concatenate
-    k_pos = cat((old_pos, q_pos), 1)  # [B, M+Q]
-    delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Q, M+Q]
-    allowed = (k_pos[:, None, :] >= 0) & (delta >= 0)
+def visible(q_pos, key_pos, window):
+    """[B, Q, S] True where a query sees a key: q_pos [B, Q] (-1 for padding), key_pos [B, S]
+    (-1 where not readable). A query at p sees keys at 0 <= p' <= p (and p - p' < window when
+    windowed); a padded query sees every key (its output is dropped, and no row is empty). Takes
+    torch tensors or numpy arrays (the serving path builds its masks on the host)."""
+    delta = q_pos[:, :, None] - key_pos[:, None, :]  # [B, Q, S]
+    allowed = (key_pos[:, None, :] >= 0) & (delta >= 0)
     if window is not None:
         allowed &= delta < window
     return allowed | (q_pos < 0)[:, :, None]
+
+
+def chunk_mask(q_pos, old_pos, window):
+    """[B, Q, M+Q] `visible` over the cached keys (old_pos) then the chunk's own keys (q_pos)."""
+    cat = torch.cat if isinstance(q_pos, torch.Tensor) else np.concatenate
+    return visible(q_pos, cat((old_pos, q_pos), 1), window)
 
 
 def attend(q, kv, mask):

@@ -95,20 +95,33 @@ __attribute__((always_inline)) inline floats16 exp16(floats16 x) {
 // Attention of up to 16 query vectors (lanes) of one sequence and KV head over the S rows it may
 // read, D = 16 * DC. Lanes hold queries, so a key's scores for all of them are one vector of FMAs
 // (no horizontal sums), and the softmax runs lane-wise. qt [D] vectors: the queries transposed
-// and scaled (lane l: query l); kv + rows[j] * kv_row: key j (its value v_off further on);
-// mask_t [S] vectors: lane l's additive mask for key j; seen[j]: some lane sees key j (keys no
-// lane sees are skipped); probs [S] vectors of scratch; out[l]: lane l's output row.
+// and scaled (lane l: query l); kv + rows[j] * kv_row: key j (its value v_off further on), at
+// position key_pos[j]; lane l sees the keys whose positions lie in [bounds[0][l], bounds[1][l]]
+// (a query's window; a padded query's bounds take in every key); probs [S] vectors of scratch; out[l]: lane
+// l's output row.
 template <int DC>
 __attribute__((always_inline)) inline void attend_lanes(const floats16* qt, const float* kv, int64_t kv_row,
-                                                        int64_t v_off, const int64_t* rows, const floats16* mask_t,
-                                                        const uint8_t* seen, int64_t S, floats16* probs, int lanes,
-                                                        float* const* out) {
+                                                        int64_t v_off, const int64_t* rows, const int64_t* key_pos,
+                                                        const floats16* bounds, int64_t S, floats16* probs,
+                                                        uint8_t* seen, int lanes, float* const* out) {
   constexpr int D = DC * 16;
-  floats16 top = (floats16){} + NINF;
-  for (int64_t j = 0; j < S; j += 4) {  // scores, four keys at a time: probs[j] lane l = q_l . k_j + mask
+  const floats16 lo = bounds[0], hi = bounds[1];
+  const float* lanes_lo = reinterpret_cast<const float*>(bounds);  // read as floats: reading the vectors'
+  const float* lanes_hi = lanes_lo + 16;  // lanes splits them into scalars, and their compares with them
+  const float lowest = *std::min_element(lanes_lo, lanes_lo + 16), highest = *std::max_element(lanes_hi, lanes_hi + 16);
+  const floats16 ninf = (floats16){} + NINF;
+  floats16 top = ninf;
+  for (int64_t j = 0; j < S; j += 4) {  // scores, four keys at a time: probs[j] lane l = q_l . k_j, or -inf unseen
     const int n = static_cast<int>(std::min<int64_t>(4, S - j));
-    if (!(seen[j] | (n > 1 && seen[j + 1]) | (n > 2 && seen[j + 2]) | (n > 3 && seen[j + 3]))) {
-      for (int i = 0; i < n; ++i) probs[j + i] = mask_t[j + i];
+    float pos[4];  // exact: positions are far below 2^24
+    bool any = false;
+    for (int i = 0; i < 4; ++i) {
+      pos[i] = static_cast<float>(key_pos[j + (i < n ? i : 0)]);
+      seen[j + i] = i < n && lowest <= pos[i] && pos[i] <= highest;
+      any |= seen[j + i];
+    }
+    if (!any) {
+      for (int i = 0; i < n; ++i) probs[j + i] = ninf;
       continue;
     }
     const float* k[4];
@@ -122,7 +135,9 @@ __attribute__((always_inline)) inline void attend_lanes(const floats16* qt, cons
       }
     }
     for (int i = 0; i < n; ++i) {
-      const floats16 s = even[i] + odd[i] + mask_t[j + i];
+      const floats16 below = lo - pos[i], above = pos[i] - hi;  // both <= 0: the lane sees the key
+      const floats16 outside = below > above ? below : above;
+      const floats16 s = outside > 0.f ? ninf : even[i] + odd[i];
       probs[j + i] = s;
       top = s > top ? s : top;
     }
@@ -134,17 +149,19 @@ __attribute__((always_inline)) inline void attend_lanes(const floats16* qt, cons
     probs[j] = p;
     total += p;
   }
+  const float* lane_probs = reinterpret_cast<const float*>(probs);  // key j, lane l: lane_probs[16 j + l]
   constexpr int QB = DC == 4 ? 6 : 3;  // lanes per pass: QB * DC accumulators stay in registers
   for (int l0 = 0; l0 < lanes; l0 += QB) {
     floats16 acc[QB][DC] = {};
     for (int64_t j = 0; j < S; ++j) {
       if (!seen[j]) continue;
       const float* v = kv + rows[j] * kv_row + v_off;
-      floats16 vj[DC];
-      std::memcpy(vj, v, sizeof vj);
-      const floats16 p = probs[j];
-      for (int l = 0; l < QB; ++l)
-        for (int c = 0; c < DC; ++c) acc[l][c] += p[(l0 + l) & 15] * vj[c];
+      const float* p = lane_probs + j * 16;
+      for (int c = 0; c < DC; ++c) {  // one value vector at a time: an array of them would go through the stack
+        floats16 vc;
+        std::memcpy(&vc, v + c * 16, sizeof vc);
+        for (int l = 0; l < QB; ++l) acc[l][c] += p[(l0 + l) & 15] * vc;
+      }
     }
     for (int l = 0; l < QB && l0 + l < lanes; ++l) {
       const float inv = 1.f / total[l0 + l];
@@ -156,32 +173,21 @@ __attribute__((always_inline)) inline void attend_lanes(const floats16* qt, cons
   }
 }
 
-// mask_t[j] lane l = lane_mask[l][j]; seen[j]: some lane sees key j
-void transpose_mask(const float* const* lane_mask, int64_t S, float* __restrict mask_t, uint8_t* __restrict seen) {
-  for (int64_t j = 0; j < S; ++j) {
-    bool any = false;
-    for (int l = 0; l < 16; ++l) {
-      const float m = lane_mask[l][j];
-      mask_t[j * 16 + l] = m;
-      any |= m != NINF;
-    }
-    seen[j] = any;
-  }
-}
-
-// One plain function per head_dim: target_clones clones functions, not templates.
+// One plain function per head_dim: target_clones clones functions, not templates. Vectors go in
+// and out by pointer: each clone would pass a 64-byte vector argument its own way (the ABI differs
+// between the AVX-512 clone and the caller).
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void attend_lanes64(const floats16* qt, const float* kv, int64_t kv_row, int64_t v_off, const int64_t* rows,
-                    const floats16* mask_t, const uint8_t* seen, int64_t S, floats16* probs, int lanes,
-                    float* const* out) {
-  attend_lanes<4>(qt, kv, kv_row, v_off, rows, mask_t, seen, S, probs, lanes, out);
+                    const int64_t* key_pos, const floats16* bounds, int64_t S, floats16* probs, uint8_t* seen,
+                    int lanes, float* const* out) {
+  attend_lanes<4>(qt, kv, kv_row, v_off, rows, key_pos, bounds, S, probs, seen, lanes, out);
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void attend_lanes128(const floats16* qt, const float* kv, int64_t kv_row, int64_t v_off, const int64_t* rows,
-                     const floats16* mask_t, const uint8_t* seen, int64_t S, floats16* probs, int lanes,
-                     float* const* out) {
-  attend_lanes<8>(qt, kv, kv_row, v_off, rows, mask_t, seen, S, probs, lanes, out);
+                     const int64_t* key_pos, const floats16* bounds, int64_t S, floats16* probs, uint8_t* seen,
+                     int lanes, float* const* out) {
+  attend_lanes<8>(qt, kv, kv_row, v_off, rows, key_pos, bounds, S, probs, seen, lanes, out);
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -278,55 +284,60 @@ torch::Tensor argmax(const torch::Tensor& x) {
   return out;
 }
 
-// q [B, Q, H, D] (rows of D contiguous), cache [rows, 2, Hkv, D] (K, V), read_rows [B, S] int64, mask [B, 1, Q, S]
-// additive (0 / -inf) -> [B, Q, H, D]: softmax(q k^T / sqrt(D) + mask) v, the keys and values of
-// sequence b being cache rows read_rows[b] (kernels/attention.py `attend` over the gathered rows;
-// query head h reads KV head h / (H / Hkv)). D is 64 or 128.
+// q [B, Q, H, D] (rows of D contiguous), cache [rows, 2, Hkv, D] (K, V), read_rows [B, S] int64,
+// key_pos [B, S] int64 (the rows' positions, -1 where not readable), q_pos [B, Q] int64 (-1: padding),
+// window (0: none) -> [B, Q, H, D]: softmax(q k^T / sqrt(D)) v over the keys each query sees (a
+// position p sees keys at 0 <= p' <= p, and p - p' < window when windowed; a padded query sees
+// every key, as attention.visible), the keys and values of sequence b being cache rows
+// read_rows[b] (kernels/attention.py `attend` over the gathered rows; query head h reads KV head
+// h / (H / Hkv)). D is 64 or 128. Visibility comes from positions, so no mask is built or read.
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& read_rows,
-                              const torch::Tensor& mask) {
+                              const torch::Tensor& key_pos, const torch::Tensor& q_pos, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat && q.stride(-1) == 1,
               "q: expected a float32 CPU tensor with contiguous rows");
   check_rows(cache, "cache");
-  check_rows(mask, "mask");
   TORCH_CHECK(q.dim() == 4 && cache.dim() == 4 && cache.size(1) == 2 && cache.size(3) == q.size(3),
               "q [B, Q, H, D], cache [rows, 2, Hkv, D]: shapes do not match");
   const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t Hkv = cache.size(2), G = H / Hkv, S = read_rows.size(1), QG = Q * G;
   TORCH_CHECK(D == 64 || D == 128, "q: head_dim 64 or 128, got ", D);
   TORCH_CHECK(H % Hkv == 0, "q: ", H, " heads do not share ", Hkv, " KV heads");
-  TORCH_CHECK(read_rows.device().is_cpu() && read_rows.scalar_type() == torch::kLong && read_rows.is_contiguous() &&
-              read_rows.dim() == 2 && read_rows.size(0) == B, "read_rows: expected contiguous int64 [", B, ", S]");
-  TORCH_CHECK(mask.numel() == B * Q * S, "mask: expected [", B, ", 1, ", Q, ", ", S, "]");
-  const int64_t* rp = read_rows.data_ptr<int64_t>();
+  for (auto [t, name, n] : {std::tuple{&read_rows, "read_rows", S}, {&key_pos, "key_pos", S}, {&q_pos, "q_pos", Q}})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kLong && t->is_contiguous() && t->dim() == 2 &&
+                t->size(0) == B && t->size(1) == n, name, ": expected contiguous int64 [", B, ", ", n, "]");
+  TORCH_CHECK(window >= 0, "window: expected 0 (none) or a positive width, got ", window);
+  const int64_t *rp = read_rows.data_ptr<int64_t>(), *kp = key_pos.data_ptr<int64_t>(), *pp = q_pos.data_ptr<int64_t>();
   const int64_t cache_rows = cache.size(0);
   TORCH_CHECK(std::all_of(rp, rp + B * S, [&](int64_t r) { return 0 <= r && r < cache_rows; }),
               "read_rows: a row outside the cache");
   auto out = torch::empty({B, Q, H, D}, q.options());
-  const float *qp = q.data_ptr<float>(), *cp = cache.data_ptr<float>(), *mp = mask.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *cp = cache.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   float* op = out.data_ptr<float>();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t tiles = (QG + 15) / 16;
   at::parallel_for(0, B * Hkv * tiles, 1, [&](int64_t lo, int64_t hi) {
-    Vectors qt_(D), mask_(S), probs_(S);
-    floats16 *qt = qt_.data, *mask_t = mask_.data, *probs = probs_.data;
-    float *qt_lanes = reinterpret_cast<float*>(qt), *mask_lanes = reinterpret_cast<float*>(mask_t);
+    Vectors qt_(D), probs_(S), bounds_(2);
+    floats16 *qt = qt_.data, *probs = probs_.data;
+    floats16* bounds = bounds_.data;  // [0]: each lane's lowest visible position, [1]: its highest
+    float* qt_lanes = reinterpret_cast<float*>(qt);
     float* outs[16];
-    std::vector<uint8_t> seen(S);
+    std::vector<uint8_t> seen(S + 4);
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t b = t / (Hkv * tiles), g = t / tiles % Hkv, first = t % tiles * 16;
       const int lanes = static_cast<int>(std::min<int64_t>(16, QG - first));
-      const float* lane_mask[16];  // lanes past the tile's queries repeat its first (their output is dropped)
+      // lanes past the tile's queries repeat its first (their output is dropped)
       for (int l = 0; l < 16; ++l) {
-        const int64_t i = first + (l < lanes ? l : 0), qi = i / G, h = g * G + i % G;
+        const int64_t i = first + (l < lanes ? l : 0), qi = i / G, h = g * G + i % G, p = pp[b * Q + qi];
         const float* qv = qp + b * qs0 + qi * qs1 + h * qs2;
         for (int64_t d = 0; d < D; ++d) qt_lanes[d * 16 + l] = qv[d] * scale;
-        lane_mask[l] = mp + (b * Q + qi) * S;
+        const bool padded = p < 0;
+        bounds[0][l] = padded ? NINF : static_cast<float>(std::max<int64_t>(0, window ? p - window + 1 : 0));
+        bounds[1][l] = padded ? -NINF : static_cast<float>(p);
         outs[l] = op + ((b * Q + qi) * H + h) * D;
       }
-      transpose_mask(lane_mask, S, mask_lanes, seen.data());
-      (D == 64 ? attend_lanes64 : attend_lanes128)(qt, cp + g * D, 2 * Hkv * D, Hkv * D, rp + b * S,
-                                                   mask_t, seen.data(), S, probs, lanes, outs);
+      (D == 64 ? attend_lanes64 : attend_lanes128)(qt, cp + g * D, 2 * Hkv * D, Hkv * D, rp + b * S, kp + b * S,
+                                                   bounds, S, probs, seen.data(), lanes, outs);
     }
   });
   return out;

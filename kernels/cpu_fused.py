@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from baton.kernels.attention import attend
+from baton.kernels.attention import attend, visible
 from baton.kernels.dispatch import kernel_mode
 
 log = logging.getLogger(__name__)
@@ -131,10 +131,11 @@ def attention_output_mlp_reference(x: torch.Tensor, attention: torch.Tensor, o_w
     return total + (F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:]).mm(down_wt)
 
 
-def paged_attention_reference(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
-                              mask: torch.Tensor) -> torch.Tensor:
+def paged_attention_reference(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, key_pos: torch.Tensor,
+                              q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     B, S = rows.shape  # index_select, not cache[rows]: 4-5x faster on CPU (docs/benchmarks.md)
-    return attend(q, cache.index_select(0, rows.view(-1)).view(B, S, *cache.shape[1:]), mask)
+    return attend(q, cache.index_select(0, rows.view(-1)).view(B, S, *cache.shape[1:]),
+                  visible(q_pos, key_pos, window)[:, None])
 
 
 # --- dispatch points -----------------------------------------------------------------------------
@@ -165,13 +166,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
-def paged_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, Q, H, D], cache [R, 2, Hkv, D], rows [B, S] int64, mask [B, 1, Q, S] additive (0 / -inf)
-    -> [B, Q, H, D]: each sequence's queries over its cache rows (and the mask)."""
-    if takes(cache) and q.dtype == mask.dtype == torch.float32 and q.shape[-1] in (64, 128) and \
-            q.stride(-1) == 1 and mask.is_contiguous() and rows.is_contiguous():
-        return extension().paged_attention(q, cache, rows, mask)
-    return paged_attention_reference(q, cache, rows, mask)
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, key_pos: torch.Tensor,
+                    q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """q [B, Q, H, D], cache [R, 2, Hkv, D], rows and key_pos [B, S] int64 (the rows' positions, -1
+    where not readable), q_pos [B, Q] int64 (-1: padding) -> [B, Q, H, D]: each sequence's queries
+    over its cache rows, each seeing the keys `attention.visible` allows (no mask is built)."""
+    if takes(cache) and q.dtype == torch.float32 and q.shape[-1] in (64, 128) and q.stride(-1) == 1 and \
+            rows.is_contiguous() and key_pos.is_contiguous() and q_pos.is_contiguous():
+        return extension().paged_attention(q, cache, rows, key_pos, q_pos, window or 0)
+    return paged_attention_reference(q, cache, rows, key_pos, q_pos, window)
 
 
 def attention_input(x: torch.Tensor, norm_w: torch.Tensor, norm_eps: float, qkv_wt: torch.Tensor, qk_w: torch.Tensor,

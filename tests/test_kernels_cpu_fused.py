@@ -72,53 +72,65 @@ def test_argmax_gives_torch_argmax_integers_with_ties_nans_and_infinities(ext, w
         assert torch.equal(ext.argmax(x.view(2, -1, width)), x.view(2, -1, width).argmax(-1))
 
 
-def _attention_case(B: int, Q: int, H: int, Hkv: int, D: int, S: int, seed: int = 0):
-    """Queries, a cache of 3 * S * B rows, each sequence's S rows (runs and scattered rows), and a
-    mask with causal and window holes, keys no query sees, and padded queries that see all."""
+def _attention_case(B: int, Q: int, H: int, Hkv: int, D: int, S: int, window: int | None = None, seed: int = 0):
+    """Queries, a cache of 3 * S * B rows, each sequence's S rows (runs and scattered rows) and their
+    positions: S - Q cached keys (some not readable, -1; the last two a shorter sequence's padding),
+    then the chunk's own Q keys at the queries' positions (one padded query in the middle sequence,
+    which sees every key)."""
     g = torch.Generator().manual_seed(seed)
     cache = torch.randn(3 * S * B + 5, 2, Hkv, D, generator=g)
     q = torch.randn(B, Q, H, D, generator=g)
     rows = torch.stack([torch.randperm(cache.shape[0], generator=g)[:S] if b % 2 else
                         torch.arange(b * S, (b + 1) * S) for b in range(B)])
-    seen = torch.rand(B, 1, Q, S, generator=g) < 0.6
-    seen[..., 0] = True  # every query sees a key
-    if S > 3:
-        seen[..., -2:] = False  # keys no query sees (a shorter sequence's padding)
+    M = S - Q
+    starts = torch.randint(M // 2, M + 6, (B,), generator=g)
+    q_pos = starts[:, None] + torch.arange(Q)  # [B, Q]
     if Q > 1:
-        seen[B // 2, :, -1] = True  # a padded query: it sees every key
-    return q, cache, rows, torch.where(seen, 0.0, float("-inf"))
+        q_pos[B // 2, -1] = -1
+    old_pos = starts[:, None] - M + torch.arange(M)  # [B, M]
+    old_pos[(old_pos < 0) | (torch.rand(B, M, generator=g) < 0.2)] = -1
+    if M > 3:
+        old_pos[:, -2:] = -1
+    shuffled = torch.stack([torch.randperm(M, generator=g) if b % 2 else torch.arange(M) for b in range(B)])
+    key_pos = torch.cat((old_pos.gather(1, shuffled), q_pos), 1)  # [B, S]: the order rows come in is free
+    return q, cache, rows, key_pos, q_pos, window
 
 
+@pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("B,Q,H,Hkv,D,S", [(1, 1, 4, 2, 64, 1), (3, 1, 4, 2, 64, 70), (16, 6, 4, 2, 64, 330),
                                            (2, 4, 8, 2, 128, 37), (5, 9, 4, 4, 64, 23), (2, 20, 4, 2, 64, 150)])
-def test_paged_attention_matches_attention_over_the_gathered_rows(ext, B, Q, H, Hkv, D, S):
+def test_paged_attention_matches_attention_over_the_gathered_rows(ext, B, Q, H, Hkv, D, S, window):
     """Every shape the decode step uses (one query per sequence, a k = 5 verify, head_dim 128, no
-    GQA) and more queries than one register holds (Q * H / Hkv > 16)."""
-    q, cache, rows, mask = _attention_case(B, Q, H, Hkv, D, S)
-    out = ext.paged_attention(q, cache, rows, mask)
-    assert close(out, cpu_fused.paged_attention_reference(q, cache, rows, mask))
+    GQA) and more queries than one register holds (Q * H / Hkv > 16); full and windowed layers."""
+    case = _attention_case(B, Q, H, Hkv, D, S, window)
+    out = ext.paged_attention(*case[:5], window or 0)
+    assert close(out, cpu_fused.paged_attention_reference(*case))
 
 
 def test_paged_attention_reads_strided_queries_and_a_cache_view(ext):
     """The layer's q is a slice of its fused q/k tensor, and its cache a view from the layer's first
     row on (KVStore.kv_rows)."""
-    q, cache, rows, mask = _attention_case(4, 6, 4, 2, 64, 40)
+    q, cache, rows, key_pos, q_pos, _ = _attention_case(4, 6, 4, 2, 64, 40)
     qk = torch.cat((q, torch.randn(4, 6, 2, 64)), 2)  # [B, Q, H + Hkv, D]
     view = torch.cat((torch.randn(7, 2, 2, 64), cache))[7:]
-    assert close(ext.paged_attention(qk[:, :, :4], view, rows, mask),
-                 cpu_fused.paged_attention_reference(q, cache, rows, mask))
+    assert close(ext.paged_attention(qk[:, :, :4], view, rows, key_pos, q_pos, 5),
+                 cpu_fused.paged_attention_reference(q, cache, rows, key_pos, q_pos, 5))
 
 
 def test_paged_attention_refuses_rows_outside_the_cache_and_shapes_it_does_not_take(ext):
-    q, cache, rows, mask = _attention_case(2, 1, 4, 2, 64, 8)
+    q, cache, rows, key_pos, q_pos, _ = _attention_case(2, 1, 4, 2, 64, 8)
     with pytest.raises(RuntimeError, match="a row outside the cache"):
-        ext.paged_attention(q, cache, torch.where(rows == rows[1, 3], cache.shape[0], rows), mask)
+        ext.paged_attention(q, cache, torch.where(rows == rows[1, 3], cache.shape[0], rows), key_pos, q_pos, 0)
     with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
-        ext.paged_attention(q[..., :32].contiguous(), cache[..., :32].contiguous(), rows, mask)
-    with pytest.raises(RuntimeError, match="mask: expected"):
-        ext.paged_attention(q, cache, rows, mask[:, :, :, :4].contiguous())
+        ext.paged_attention(q[..., :32].contiguous(), cache[..., :32].contiguous(), rows, key_pos, q_pos, 0)
+    with pytest.raises(RuntimeError, match="key_pos: expected"):
+        ext.paged_attention(q, cache, rows, key_pos[:, :4].contiguous(), q_pos, 0)
+    with pytest.raises(RuntimeError, match="q_pos: expected"):
+        ext.paged_attention(q, cache, rows, key_pos, q_pos.int(), 0)
+    with pytest.raises(RuntimeError, match="window: expected"):
+        ext.paged_attention(q, cache, rows, key_pos, q_pos, -1)
     with torch.inference_mode():  # the dispatch point sends a head_dim it has no kernel for to the reference
-        odd = (q[..., :32].contiguous(), cache[..., :32].contiguous(), rows, mask)
+        odd = (q[..., :32].contiguous(), cache[..., :32].contiguous(), rows, key_pos, q_pos, None)
         assert torch.equal(cpu_fused.paged_attention(*odd), cpu_fused.paged_attention_reference(*odd))
 
 

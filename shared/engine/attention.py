@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from baton.kernels import cpu_fused
-from baton.kernels.attention import attend, chunk_attention, chunk_mask
+from baton.kernels.attention import attend, chunk_attention, visible
 from baton.kernels.dispatch import use_triton
 from baton.shared.kv.allocator import KVError
 from baton.shared.kv.routing import FULL, SWA, SWA_RING, PoolKey
@@ -49,11 +49,13 @@ class _PoolMeta:
     window: int | None
     old_rows: torch.Tensor  # [B, M] cache rows of the earlier positions each chunk may see
     old_pos: torch.Tensor  # [B, M] their positions, -1 where not visible
-    mask: torch.Tensor  # [B, 1, Q, M+Q] 0 where a query sees a key (cached, then the chunk's own), else -inf
+    key_pos: np.ndarray  # [B, M+Q] on the host: old_pos, then the chunk's own positions (q_pos)
     write_rows: torch.Tensor | None = None  # [W] rows the new K/V go to
     write_tokens: torch.Tensor | None = None  # [W] which flat tokens those are; None: all of them
     read_rows: torch.Tensor | None = None  # [B, M+Q] old_rows, then each chunk's own rows (padded):
     # set where writing first clobbers no row read (then one attention call reads both), else None
+    read_pos: torch.Tensor | None = None  # [B, M+Q] key_pos on the device, set with read_rows
+    mask: torch.Tensor | None = None  # [B, 1, Q, M+Q] additive, built on first use (`StoreAttention._mask`)
 
 
 class StoreAttention:
@@ -123,20 +125,25 @@ class StoreAttention:
         for key, meta in self._meta.items():
             if meta.write_tokens is not None:
                 raise KVError(f"{key.name}: a chain step would write below a request's floor")
-            part._meta[key] = _PoolMeta(meta.window, meta.old_rows[lo:hi], meta.old_pos[lo:hi], meta.mask[lo:hi],
+            part._meta[key] = _PoolMeta(meta.window, meta.old_rows[lo:hi], meta.old_pos[lo:hi], meta.key_pos[lo:hi],
                                         meta.write_rows[lo:hi], None,
-                                        None if meta.read_rows is None else meta.read_rows[lo:hi])
+                                        None if meta.read_rows is None else meta.read_rows[lo:hi],
+                                        None if meta.read_pos is None else meta.read_pos[lo:hi])
         return part
 
     def _device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
         return tensor if self.store.device.type == "cpu" else tensor.to(self.store.device, non_blocking=True)
 
-    def _additive(self, allowed: np.ndarray) -> torch.Tensor:
-        """A boolean mask as SDPA's additive one (0 / -inf, in the cache's dtype): SDPA turns a
-        boolean mask into this itself, in two more ops per layer call."""
-        mask = torch.from_numpy(np.where(allowed, np.float32(0), np.float32(-np.inf)))
-        return mask.to(self.store.device, self.store.dtype, non_blocking=True)
+    def _mask(self, meta: _PoolMeta) -> torch.Tensor:
+        """The pool's mask for attention over gathered rows, built once per forward on first use:
+        SDPA's additive one (0 / -inf, in the cache's dtype), which SDPA would otherwise make from a
+        boolean mask itself, in two more ops per layer call. `paged_attention` takes positions."""
+        if meta.mask is None:
+            allowed = visible(self._q_pos, meta.key_pos, meta.window)[:, None]  # [B, 1, Q, M+Q]
+            mask = torch.from_numpy(np.where(allowed, np.float32(0), np.float32(-np.inf)))
+            meta.mask = mask.to(self.store.device, self.store.dtype, non_blocking=True)
+        return meta.mask
 
     # --- metadata (once per forward and pool, on the host) ------------------------------------
     def _read_floors(self, key: PoolKey, reqs) -> np.ndarray:
@@ -173,8 +180,7 @@ class StoreAttention:
             pos = (cols[:, :, None] * ps + offs).reshape(B, -1)
         old_pos = np.where((pos >= low[:, None]) & (pos < starts), pos, -1)  # [B, M]
         window, self._old_rows[key] = self.store.windows[key], rows
-        return _PoolMeta(window, self._device(rows), self._device(old_pos),
-                         self._additive(chunk_mask(self._q_pos, old_pos, window)[:, None]))
+        return _PoolMeta(window, self._device(rows), self._device(old_pos), np.concatenate((old_pos, self._q_pos), 1))
 
     def _plan_writes(self, key: PoolKey, reqs) -> None:
         """Where this pool's new K/V go; and, where writing them first clobbers no row the
@@ -187,6 +193,7 @@ class StoreAttention:
             own = np.zeros(B * Q, dtype=np.int64)  # padding reads row 0: masked for every real query
             own[self._q_pos.reshape(-1) >= 0] = rows
             meta.read_rows = self._device(np.concatenate((self._old_rows[key], own.reshape(B, Q)), 1))
+            meta.read_pos = self._device(meta.key_pos)
 
     def _reads_survive_writes(self, key: PoolKey, reqs) -> bool:
         """No new row lands on a row read: FULL rows hold one position each; sliding storage keeps
@@ -224,7 +231,8 @@ class StoreAttention:
         qp = self._padded(q)  # [B, Q, H, D]
         if meta.read_rows is not None and not use_triton(qp):
             cache.index_copy_(0, meta.write_rows, kv)
-            return self._unpadded(cpu_fused.paged_attention(qp, cache, meta.read_rows, meta.mask))
+            return self._unpadded(cpu_fused.paged_attention(qp, cache, meta.read_rows, meta.read_pos, self.q_pos,
+                                                            meta.window))
         kvp = self._padded(kv)  # [B, Q, 2, Hkv, D]
         if use_triton(qp):
             out = chunk_attention(qp, self.q_pos, kvp[:, :, 0], kvp[:, :, 1], cache[:, 0], cache[:, 1],
@@ -232,7 +240,7 @@ class StoreAttention:
         else:
             B, M = meta.old_rows.shape  # index_select, not cache[old_rows]: 4-5x faster on CPU (docs/benchmarks.md)
             old = cache.index_select(0, meta.old_rows.view(-1)).view(B, M, *cache.shape[1:])  # [B, M, 2, Hkv, D]
-            out = attend(qp, torch.cat((old, kvp), 1), meta.mask)  # [B, Q, H, D]
+            out = attend(qp, torch.cat((old, kvp), 1), self._mask(meta))  # [B, Q, H, D]
         cache.index_copy_(0, meta.write_rows, kv if meta.write_tokens is None else kv.index_select(0, meta.write_tokens))
         return self._unpadded(out)
 
