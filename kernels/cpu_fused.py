@@ -9,9 +9,12 @@ arithmetic in one call each (~2-4 us), on contiguous float32 CPU tensors:
     qk_norm_rope(qkv, w, cos, sin, eps)    qkv [T, A, D], w [heads, D], cos/sin [T, D]
                                            -> the first `heads` heads normed and rotated [T, heads, D]
     argmax(x)                              x [..., V] -> [...] first index of each row's max (int64)
-    paged_attention(q, cache, rows, mask)  q [B, Q, H, D], cache [R, 2, Hkv, D], rows [B, S], mask
-                                           [B, 1, Q, S] -> attention of sequence b over cache[rows[b]]
-                                           [B, Q, H, D] (`attend` without gathering the rows first)
+    paged_attention(q, cache, rows, key_pos, q_pos, window)
+                                           q [B, Q, H, D], cache [R, 2, Hkv, D], rows and key_pos
+                                           [B, S], q_pos [B, Q] -> attention of sequence b over
+                                           cache[rows[b]], each query seeing the keys
+                                           `attention.visible` allows [B, Q, H, D] (`attend` without
+                                           gathering the rows or building a mask first)
     attention_input(x, ...)                a decoder layer up to its attention: input norm, QKV
                                            projection, q/k norms, RoPE -> q [T, H, D], kv [T, 2, Hkv, D]
     attention_output_mlp(x, attention, ...) the rest: output projection, residual, norm, SwiGLU
@@ -29,7 +32,8 @@ their references, ~17 us faster per layer call than the same composition from Py
 (docs/benchmarks.md). The extension is compiled by
 torch.utils.cpp_extension the first time a process asks for it (~25 s on 2 cores;
 `scripts/bootstrap.sh` does it once) and cached under
-$TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). Where it cannot be built (no C++
+$TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), under a name carrying a hash of the
+source (torch's cache judges staleness by file times, which a copy can keep). Where it cannot be built (no C++
 compiler or ninja), or with BATON_KERNELS=torch (read once per process), or for tensors it does
 not take (bfloat16, CUDA, non-contiguous, autograd), the references run: same results to
 rounding, slower.
@@ -37,6 +41,7 @@ rounding, slower.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -60,7 +65,10 @@ def extension():
         from torch.utils import cpp_extension
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         start = time.perf_counter()
-        module = cpp_extension.load("baton_cpu_fused", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+        # named by the source's content: torch's cache decides staleness by file times (ninja), so a
+        # copy that keeps an older time than the cached build would load that build, of other code
+        name = f"baton_cpu_fused_{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
+        module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
                                     extra_ldflags=["-fopenmp"])
     except Exception as exc:  # noqa: BLE001 - any build failure means: run the references
         log.warning("fused CPU ops unavailable, running their torch references: %s", str(exc).strip()[:500])
