@@ -174,8 +174,9 @@ def test_router_errors_keep_their_status(up, client):
 
 
 def test_leaving_mid_stream_frees_the_capacity(up, client):
-    stream = client.completions.create(model=MODEL, prompt="Now is the winter of our discontent", max_tokens=400,
-                                       temperature=0, stream=True)
+    # long enough (no end at EOS, 3000 tokens: seconds of decoding) that the cancel finds it running
+    stream = client.completions.create(model=MODEL, prompt="Now is the winter of our discontent", max_tokens=3000,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
         if i == 2:
             break
