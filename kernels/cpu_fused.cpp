@@ -97,8 +97,8 @@ __attribute__((always_inline)) inline floats16 exp16(floats16 x) {
 // (no horizontal sums), and the softmax runs lane-wise. qt [D] vectors: the queries transposed
 // and scaled (lane l: query l); kv + rows[j] * kv_row: key j (its value v_off further on), at
 // position key_pos[j]; lane l sees the keys whose positions lie in [bounds[0][l], bounds[1][l]]
-// (a query's window; a padded query's bounds take in every key); probs [S] vectors of scratch; out[l]: lane
-// l's output row.
+// (a query's window; a padded query's bounds take in every key); probs [S] vectors of scratch;
+// seen [S + 4] bytes of scratch; out[l]: lane l's output row.
 template <int DC>
 __attribute__((always_inline)) inline void attend_lanes(const floats16* qt, const float* kv, int64_t kv_row,
                                                         int64_t v_off, const int64_t* rows, const int64_t* key_pos,
@@ -106,9 +106,12 @@ __attribute__((always_inline)) inline void attend_lanes(const floats16* qt, cons
                                                         uint8_t* seen, int lanes, float* const* out) {
   constexpr int D = DC * 16;
   const floats16 lo = bounds[0], hi = bounds[1];
-  const float* lanes_lo = reinterpret_cast<const float*>(bounds);  // read as floats: reading the vectors'
-  const float* lanes_hi = lanes_lo + 16;  // lanes splits them into scalars, and their compares with them
-  const float lowest = *std::min_element(lanes_lo, lanes_lo + 16), highest = *std::max_element(lanes_hi, lanes_hi + 16);
+  // The extremes over the lanes, read from memory: indexing lo's or hi's lanes makes GCC split them
+  // into scalars, and the vector compares below then run one lane at a time.
+  const float* lanes_lo = reinterpret_cast<const float*>(bounds);
+  const float* lanes_hi = lanes_lo + 16;
+  const float lowest = *std::min_element(lanes_lo, lanes_lo + 16);
+  const float highest = *std::max_element(lanes_hi, lanes_hi + 16);
   const floats16 ninf = (floats16){} + NINF;
   floats16 top = ninf;
   for (int64_t j = 0; j < S; j += 4) {  // scores, four keys at a time: probs[j] lane l = q_l . k_j, or -inf unseen

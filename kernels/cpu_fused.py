@@ -33,8 +33,8 @@ their references, ~17 us faster per layer call than the same composition from Py
 torch.utils.cpp_extension the first time a process asks for it (~25 s on 2 cores;
 `scripts/bootstrap.sh` does it once) and cached under
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), under a name carrying a hash of the
-source (torch's cache judges staleness by file times, which a copy can keep). Where it cannot be built (no C++
-compiler or ninja), or with BATON_KERNELS=torch (read once per process), or for tensors it does
+source (torch's cache judges staleness by file times, which a copy can keep). Where it cannot be
+built (no C++ compiler or ninja), or with BATON_KERNELS=torch (read once per process), or for tensors it does
 not take (bfloat16, CUDA, non-contiguous, autograd), the references run: same results to
 rounding, slower.
 """
