@@ -115,10 +115,10 @@ def test_single_layer_view_and_aux_row():
     assert torch.equal(bits(staging), bits(view_src[rows_src]))
     unpack_rows_triton(staging, view_dst, rows_dst)
     assert torch.equal(bits(view_dst[rows_dst]), bits(view_src[rows_src]))
+    aux_view = src.aux[0].to(DEVICE)  # [slots, item_bytes] uint8; the store keeps it in host memory on every device
     aux_rows = torch.tensor([src.allocation("r").slot], device=DEVICE)
-    aux = pack_rows_triton(src.aux[0], aux_rows, torch.empty(1, src.aux.shape[2], dtype=torch.uint8,
-                                                             device=DEVICE))
-    assert torch.equal(aux[0], src.aux_row("r"))
+    aux = pack_rows_triton(aux_view, aux_rows, torch.empty(1, src.aux.shape[2], dtype=torch.uint8, device=DEVICE))
+    assert torch.equal(aux[0].cpu(), src.aux_row("r"))
 
 
 def test_dispatch_and_validation(monkeypatch):
