@@ -11,7 +11,7 @@ import pytest
 from baton.shared.kv.aux import HEADER_BYTES
 from baton.shared.transfer import (AUX_KEY, ArrivalEvent, ArrivalTracker, Descriptor,
                                    DescriptorError, EventKind, Faults, Region, TransferMetrics)
-from baton.shared.transfer.nixl_ops import Xfer, cancel
+from baton.shared.transfer.nixl_ops import VRAM_UNREGISTERED, Xfer, cancel, register
 from baton.shared.transfer.nixl_thread import _Inbox
 from baton.shared.transfer.notices import Kind, Notice, decode
 from baton.shared.transfer.regions import RegionTable, _resolve_vectorised, _whole_items, resolve, write_tag
@@ -385,3 +385,29 @@ def test_notifications_are_collected_fast_only_while_a_due_write_cannot_wait():
     assert thread._progress_interval() == nt.IDLE_PROGRESS_S
     thread._watched = [object()]
     assert thread._progress_interval() == nt.PROGRESS_S
+
+
+class _AgentWithoutCudaTransport:
+    """nixl's agent where UCX has no CUDA support: DRAM registers, VRAM raises (as nixl-cu12 on an
+    H100 with only CUDA 13's runtime did: NIXL_ERR_BACKEND)."""
+
+    def register_memory(self, descs, kind):
+        if kind == "VRAM":
+            raise RuntimeError("NIXL_ERR_BACKEND")
+        return ("reg", kind, len(descs))
+
+    def prep_xfer_dlist(self, agent, rows, kind):
+        return ("dlist", kind)
+
+    def get_agent_metadata(self):
+        return b"md"
+
+
+def test_a_vram_region_nixl_cannot_register_is_refused_with_the_likely_cause():
+    vram = RegionTable([Region("full", 0, BASE, 1024, 256, "VRAM", 0),
+                        Region(AUX_KEY, 0, BASE + 8192, 4 * 64, 64)], "me")
+    with pytest.raises(RuntimeError, match="libcudart.so.12") as raised:
+        register(_AgentWithoutCudaTransport(), vram)
+    assert str(raised.value) == VRAM_UNREGISTERED and "NIXL_ERR_BACKEND" in str(raised.value.__cause__)
+    regs, items, metadata = register(_AgentWithoutCudaTransport(), table("me"))  # DRAM only: registers
+    assert regs == [("reg", "DRAM", 3)] and items == {"DRAM": ("dlist", "DRAM")} and metadata == b"md"

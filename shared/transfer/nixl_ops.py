@@ -35,10 +35,27 @@ class Xfer:
 def register(agent, table: RegionTable) -> tuple[list[Any], dict[str, Any], bytes]:
     """Register every region once, each as its memory kind and device id; prepare one per-item
     list per kind; return the registrations, the lists (by kind) and our metadata."""
-    regs = [agent.register_memory([(r.addr, r.nbytes, r.device_id, "") for r in table.regions if r.mem_kind == kind],
-                                  kind) for kind in table.kinds]
+    regs = [_register_kind(agent, table, kind) for kind in table.kinds]
     items = {kind: agent.prep_xfer_dlist(LOCAL, table.item_rows(kind), kind) for kind in table.kinds}
     return regs, items, agent.get_agent_metadata()
+
+
+def _register_kind(agent, table: RegionTable, kind: str) -> Any:
+    try:
+        return agent.register_memory([(r.addr, r.nbytes, r.device_id, "") for r in table.regions if r.mem_kind == kind],
+                                     kind)
+    except Exception as exc:
+        if kind != "VRAM":
+            raise
+        raise RuntimeError(VRAM_UNREGISTERED) from exc
+
+
+VRAM_UNREGISTERED = (
+    "NIXL could not register the KV store's GPU memory (VRAM): its UCX has no working CUDA transport and "
+    "sees the memory as host memory. nixl-cu12's UCX CUDA module needs CUDA 12's runtime (libcudart.so.12) "
+    "and the driver's libcuda.so.1 and libnvidia-ml.so.1 on the library path; a machine with only CUDA 13's "
+    "runtime (torch +cu13x) lacks the first: `pip install nvidia-cuda-runtime-cu12` and put its "
+    "nvidia/cuda_runtime/lib on LD_LIBRARY_PATH (docs/deployment.md, NIXL / UCX)")
 
 
 def deregister(agent, regs: list[Any], items: dict[str, Any]) -> None:
