@@ -279,3 +279,27 @@ def test_a_layer_runs_fused_with_blas_projections_and_gives_the_module_path_bits
         cpu_fused.available.cache_clear()
     assert torch.equal(fused[0], module[0]) and torch.equal(fused[1], module[1])
     assert fused[2] == module[2] and all(len(out) == 24 for out, _ in fused[2])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_layer_asked_for_some_rows_gives_those_rows_of_the_whole_output(monkeypatch, fused):
+    """`rows`: the output projection and MLP run for those tokens only (the draft's first forward
+    wants each sequence's last token, the prefill's draft window none); the attention still sees
+    every token, so those rows equal the whole forward's, in the fused and the module path."""
+    from baton.shared.model.checkpoint import load_model
+    from baton.shared.model.dense_attention import DenseAttention
+    from baton.shared.model.layers import DecoderLayer
+    model = load_model(projection="blas")
+    if not fused:
+        monkeypatch.setattr(DecoderLayer, "_fused", lambda self, x: False)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(40).repeat(2)
+    rows = torch.tensor([39, 79, 5])
+    with torch.inference_mode():
+        dense = DenseAttention(model.cfg, 2, 40)
+        hidden = model.forward_hidden(ids.view(-1), positions, dense)  # [80, d]
+        whole = model.draft_hidden(hidden, ids.view(-1), positions, dense)
+        some = model.draft_hidden(hidden, ids.view(-1), positions, dense, rows=rows)
+        none = model.draft_hidden(hidden, ids.view(-1), positions, dense, rows=rows[:0])
+    assert some.shape == (3, model.cfg.hidden_size) and none.shape == (0, model.cfg.hidden_size)
+    assert torch.allclose(some, whole[rows], rtol=0, atol=1e-5)

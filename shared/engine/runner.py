@@ -76,10 +76,13 @@ class ModelRunner:
         attn = StoreAttention(self.store, chunks, self.target_layers)
         return self.model.forward_hidden(self._ids(ids), attn.positions, attn, attn.max_position)  # [T, d]
 
-    def _draft(self, chunks: list[Chunk], ids: list[int] | torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+    def _draft(self, chunks: list[Chunk], ids: list[int] | torch.Tensor, prev_hidden: torch.Tensor,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The draft layer over the chunks: stores every token's draft K/V; -> the hidden states
+        of `rows` ([N] flat token indices; [T, d] for all when None)."""
         attn = StoreAttention(self.store, chunks, [self.draft_layer])
         return self.model.draft_hidden(prev_hidden, self._ids(ids), attn.positions, attn,
-                                       max_position=attn.max_position)  # [T, d]
+                                       max_position=attn.max_position, rows=rows)  # [N, d]
 
     # --- prefill --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -129,8 +132,8 @@ class ModelRunner:
                 chunks.append(Chunk(seq.request_id, lo, L - lo, floor=lo))
                 ids += seq.prompt[lo:L]
                 prev.append(out.hidden[lo - 1 - first:L - 1 - first])
-        if chunks:
-            self._draft(chunks, ids, torch.cat(prev))
+        if chunks:  # only the K/V are wanted: no token's output projection or MLP runs
+            self._draft(chunks, ids, torch.cat(prev), rows=self._host_index([]))
 
     # --- decode start (what arrived from prefill) -------------------------------------------
     def start_decode(self, seq: Sequence, first_token: int, hidden_tail: torch.Tensor, draft_state: str) -> None:
@@ -289,9 +292,8 @@ class ModelRunner:
         # first draft forward: entries draft_len .. length (the last one queries the next token)
         chunks = [Chunk(s.request_id, s.draft_len, s.length - s.draft_len + 1, floor=s.draft_floor) for s in chain]
         ids = [t for s in chain for t in s.token_span(s.draft_len, s.length + 1)]
-        g = self._draft(chunks, ids, torch.cat([s.pending_hidden for s in chain]))
         ends = self._host_index([end - 1 for end in accumulate(c.n for c in chunks)])  # each chunk's last row
-        last = g.index_select(0, ends)  # [B', d]
+        last = self._draft(chunks, ids, torch.cat([s.pending_hidden for s in chain]), rows=ends)  # [B', d]
         steps = StoreAttention.chain(self.store, [Chunk(s.request_id, s.length + 1, 1, floor=s.draft_floor)
                                                   for s in chain], [self.draft_layer], K - 1)
         columns = []

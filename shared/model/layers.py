@@ -248,12 +248,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, d] -> [T, d], or [N, d] for `rows` [N] (the tokens whose output is wanted: the
+        output projection and MLP run for those only; every token's K/V is stored either way)."""
         if self._fused(x):
-            return self._fused_forward(x, rope, attn)
+            return self._fused_forward(x, rope, attn, rows)
         post = self.post_attention_layernorm
-        x, h = cpu_fused.add_rms_norm(x, self.self_attn.forward(self.input_layernorm.forward(x), rope, attn),
-                                      post.weight, post.eps)  # x + attention, its norm: [T, d] each
+        a = self.self_attn.forward(self.input_layernorm.forward(x), rope, attn)  # [T, d]
+        if rows is not None:
+            if not rows.numel():
+                return x[:0]
+            x, a = x.index_select(0, rows), a.index_select(0, rows)
+        x, h = cpu_fused.add_rms_norm(x, a, post.weight, post.eps)  # x + attention, its norm: [T, d] each
         return x + self.mlp.forward(h)
 
     def _fused(self, x: torch.Tensor) -> bool:
@@ -263,12 +270,17 @@ class DecoderLayer(nn.Module):
         return (a.qkv_proj.kernel == a.o_proj.kernel == mlp.gate_up_proj.kernel == mlp.down_proj.kernel == "blas"
                 and cpu_fused.takes(x))
 
-    def _fused_forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention) -> torch.Tensor:
+    def _fused_forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Attention,
+                       rows: torch.Tensor | None) -> torch.Tensor:
         """`forward` in three calls instead of ~15 (at decode sizes a layer is mostly per-op cost):
         the same ops in the same order, so the same results bit for bit."""
         a, mlp, inorm, post = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         q, kv = cpu_fused.attention_input(x, inorm.weight, inorm.eps, a.qkv_proj.packed, a.qk_norm_weight(), *rope,
                                           a.q_norm.eps, a.kv_heads)  # [T, H, D], [T, 2, Hkv, D]
         out = attn(a.layer_id, q, kv)  # [T, H, D]
+        if rows is not None:
+            if not rows.numel():
+                return x[:0]
+            x, out = x.index_select(0, rows), out.index_select(0, rows)  # [N, d], [N, H, D]
         return cpu_fused.attention_output_mlp(x, out, a.o_proj.packed, post.weight, post.eps, mlp.gate_up_proj.packed,
                                               mlp.down_proj.packed)

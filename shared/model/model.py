@@ -88,13 +88,15 @@ class BatonLM(nn.Module):
         return self.lm_head.forward(self.model.norm.forward(hidden))
 
     def draft_hidden(self, prev_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                     attn: Attention, depth: int = 0, max_position: int | None = None) -> torch.Tensor:
-        """MTP layer `depth`: prev_hidden [T, d] (h_{p-1}), input_ids/positions [T] (token_p, p) -> [T, d]."""
+                     attn: Attention, depth: int = 0, max_position: int | None = None,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
+        """MTP layer `depth`: prev_hidden [T, d] (h_{p-1}), input_ids/positions [T] (token_p, p) -> [T, d],
+        or [N, d] for `rows` [N] only (every token's draft K/V is stored either way)."""
         mtp = self.mtp.layers[depth]
         emb = mtp.enorm.forward(self.model.embed_tokens.forward(input_ids))  # [T, d]
         rope = self.rotary(positions, emb.dtype, max_position)
         x = mtp.eh_proj.forward(torch.cat((emb, mtp.hnorm.forward(prev_hidden)), dim=-1))  # [T, 2d] -> [T, d]
-        return mtp.block.forward(x, rope, attn)
+        return mtp.block.forward(x, rope, attn, rows)
 
     def pack(self, projection: str = "auto") -> "BatonLM":
         """Cache the fused q/k norm weights and, on the CPU, prepare every projection for the
