@@ -12,8 +12,9 @@ over 2048-wide logits rows), us per call, best of
 Attention: `paged_attention` against its reference (gather the rows, then SDPA) for one layer call
 of the shipped model's shapes (4 query heads, 2 KV heads, head_dim 64): B sequences of Q queries
 over S rows each (a draft: Q = 1 over a sliding layer's ~70 rows; a k = 5 verify: Q = 6 over a
-sliding layer's ~80 or a full layer's ~330), each sequence's rows a run of the cache, the keys past
-its length masked.
+sliding layer's ~80 or a full layer's ~330 or ~440), each sequence's rows its pages of 16 rows as the
+store hands them out after requests came and went (scattered over a cache four times the batch's
+rows), the keys past its length masked.
 """
 from __future__ import annotations
 
@@ -71,14 +72,19 @@ def fused_ops(rows: list[int]) -> dict:
     return out
 
 
+PAGE = 16  # worker.page_size's default
+
+
 def attention_ops(shapes: list[tuple[int, int, int]]) -> dict:
     ext, out = cpu_fused.extension(), {}
     if ext is None:
         return out
     for B, Q, S in shapes:
-        cache = torch.randn(4 * B * S, 2, 2, 64)
+        pages = -(-S // PAGE)  # per sequence
+        cache = torch.randn(4 * B * pages * PAGE, 2, 2, 64)
         q = torch.randn(B, Q, 4, 64)
-        rows = torch.randint(0, 3 * B * S, (B, 1)) + torch.arange(S)  # [B, S], a run each
+        page_ids = torch.randperm(4 * B * pages)[:B * pages].view(B, pages, 1)  # scattered, as after churn
+        rows = (page_ids * PAGE + torch.arange(PAGE)).view(B, -1)[:, :S].contiguous()  # [B, S]
         length = torch.linspace(S // 2, S, B).long().view(B, 1)  # keys past a sequence's length: not readable
         q_pos = (length - Q + torch.arange(Q)).contiguous()  # [B, Q]: the last Q readable rows are the chunk's own
         key_pos = torch.where(torch.arange(S) < length, torch.arange(S), -1)  # [B, S]
@@ -100,7 +106,7 @@ def main() -> None:
         result = {"threads": args.threads, "auto_choice": model.projection,
                   "projections_us": projections(model, [1, 16, 96]), "fused_us": fused_ops([1, 6, 16, 96]),
                   "attention_us": attention_ops([(1, 1, 70), (1, 6, 80), (1, 6, 330), (16, 1, 70), (16, 6, 80),
-                                                 (16, 6, 330)])}
+                                                 (16, 6, 330), (16, 6, 440)])}
     print(f"projections, us each (load_model chose {model.projection}):")
     for key, us in result["projections_us"].items():
         print(f"  {key:<12} {us:8.1f}")
