@@ -392,9 +392,9 @@ torch::Tensor attention_output_mlp(const torch::Tensor& x, const torch::Tensor& 
                                    const torch::Tensor& post_w, double eps, const torch::Tensor& gate_up_wt,
                                    const torch::Tensor& down_wt) {
   for (auto [t, name] : {std::pair{&o_wt, "o_wt"}, {&gate_up_wt, "gate_up_wt"}, {&down_wt, "down_wt"}}) check_rows(*t, name);
-  const int64_t T = x.size(0), I = down_wt.size(0);
+  const int64_t I = down_wt.size(0);
   TORCH_CHECK(gate_up_wt.size(1) == 2 * I, "gate_up_wt: expected [d, 2 * ", I, "]");
-  auto [sum, normed] = add_rms_norm(x, at::mm(attention.reshape({T, -1}), o_wt), post_w, eps);
+  auto [sum, normed] = add_rms_norm(x, at::mm(attention.flatten(1), o_wt), post_w, eps);
   auto gate_up = at::mm(normed, gate_up_wt);  // [T, 2I]
   return at::add(sum, at::mm(at::mul(at::silu(gate_up.slice(1, 0, I)), gate_up.slice(1, I)), down_wt));
 }

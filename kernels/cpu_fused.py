@@ -134,7 +134,7 @@ def attention_output_mlp_reference(x: torch.Tensor, attention: torch.Tensor, o_w
                                    eps: float, gate_up_wt: torch.Tensor, down_wt: torch.Tensor) -> torch.Tensor:
     """As shared/model/layers.py's DecoderLayer after the attention call (weights stored transposed)."""
     hidden = down_wt.shape[0]
-    total, normed = add_rms_norm(x, attention.reshape(x.shape[0], -1).mm(o_wt), post_w, eps)
+    total, normed = add_rms_norm(x, attention.flatten(1).mm(o_wt), post_w, eps)
     gate_up = normed.mm(gate_up_wt)  # [T, 2 * hidden]
     return total + (F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:]).mm(down_wt)
 

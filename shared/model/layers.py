@@ -257,8 +257,6 @@ class DecoderLayer(nn.Module):
         post = self.post_attention_layernorm
         a = self.self_attn.forward(self.input_layernorm.forward(x), rope, attn)  # [T, d]
         if rows is not None:
-            if not rows.numel():
-                return x[:0]
             x, a = x.index_select(0, rows), a.index_select(0, rows)
         x, h = cpu_fused.add_rms_norm(x, a, post.weight, post.eps)  # x + attention, its norm: [T, d] each
         return x + self.mlp.forward(h)
@@ -279,8 +277,6 @@ class DecoderLayer(nn.Module):
                                           a.q_norm.eps, a.kv_heads)  # [T, H, D], [T, 2, Hkv, D]
         out = attn(a.layer_id, q, kv)  # [T, H, D]
         if rows is not None:
-            if not rows.numel():
-                return x[:0]
             x, out = x.index_select(0, rows), out.index_select(0, rows)  # [N, d], [N, H, D]
         return cpu_fused.attention_output_mlp(x, out, a.o_proj.packed, post.weight, post.eps, mlp.gate_up_proj.packed,
                                               mlp.down_proj.packed)
