@@ -19,13 +19,13 @@ rows), the keys past its length masked.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from baton.kernels import cpu_fused
+from baton.loadtest import write_json
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
 from baton.shared.model.layers import PROJECTION_KERNELS, Linear, onednn_packs
 
@@ -117,8 +117,7 @@ def main() -> None:
     for key, r in result["attention_us"].items():
         print(f"  {key:<18} {r['reference']:8.1f} / {r['fused']:6.1f}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from baton.kernels import cpu_fused
+from baton.loadtest import write_json
 from baton.shared.config import WorkerSection
 from baton.shared.engine.attention import StoreAttention
 from baton.shared.engine.local import LocalEngine
@@ -103,8 +103,7 @@ def main() -> None:
     for part, r in result["parts"].items():
         print(f"  {part:<22} {r['ms_per_step']:6.2f} ms/step  {r['calls_per_step']:4.1f} calls")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":
