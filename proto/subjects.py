@@ -25,6 +25,10 @@ SENDER_HEADER = "Baton-Sender"
 # fair shares among clients (shared/bus/senders.py)
 CLIENT_HEADER = "Baton-Client"
 RECEIPT_SUFFIX = ".receipt"
+# a client whose connection was re-made while it waited for a unary reply may have lost it with the
+# server it was on: it publishes to the sender's probe with this header naming its reply subject,
+# and the sender sends the reply again if it already went out (shared/bus/endpoint.py `SentAnswers`)
+RESEND_HEADER = "Baton-Resend"
 
 # --- between routers (every router, no queue group): the owner of a request acts on a cancel ---
 ROUTER_CANCEL = f"{INTERNAL}.router.cancel"

@@ -64,6 +64,31 @@ class SwallowingProxy(Proxy):
             await writer.drain()
 
 
+class CuttingProxy(Proxy):
+    """Can cut every connection through it and refuse new ones until restored: what the clients
+    of one nats-server see when that server dies, while the rest of the cluster lives on."""
+
+    def __init__(self, server_url: str):
+        super().__init__(server_url)
+        self.up = True
+        self._clients: set[asyncio.StreamWriter] = set()
+
+    def cut(self) -> None:
+        self.up = False
+        for writer in self._clients:
+            writer.transport.abort()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.up:
+            writer.transport.abort()
+            return
+        self._clients.add(writer)
+        try:
+            await super()._connection(reader, writer)
+        finally:
+            self._clients.discard(writer)
+
+
 class FrameDroppingProxy(Proxy):
     """Parses the NATS protocol both ways and drops whole messages, the connection intact: the
     first `drop_up` client messages (PUB/HPUB) whose subject is `up_subject`, and the first

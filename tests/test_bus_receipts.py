@@ -1,7 +1,8 @@
 """Receipts (proto/README.md, "Receipts"): a request to an acknowledged subject (baton.v1.generate)
 lost on its way is sent again and handled once; a resend of one already taken is acknowledged
 again and not handled again; when two servers take it, the client keeps to one server's replies;
-a server that dies before it answers is noticed through the receipt's probe, not at the timeout."""
+a server that dies before it answers is noticed through the receipt's probe, not at the timeout;
+an answer lost with the client's own server is asked for again once the client is back."""
 from __future__ import annotations
 
 import asyncio
@@ -12,9 +13,12 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import GenerateReply, GenerateRequest, SpecStats, StreamChunk, Timing, Usage
 from baton.shared.bus import Bus
+from baton.shared.bus import endpoint as endpoint_module
+from baton.shared.bus.endpoint import SentAnswers
 from baton.shared.bus.senders import acting_for, request_sender
 from baton.shared.bus.server import NatsServer
-from nats_proxy import FrameDroppingProxy
+from e2e_cluster import done_within, until
+from nats_proxy import CuttingProxy, FrameDroppingProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 REQUEST = GenerateRequest(token_ids=[1, 2], max_tokens=2)
@@ -143,6 +147,51 @@ def test_a_router_gone_before_its_first_reply_is_noticed_through_the_receipt(str
                     await asyncio.wait_for(call, 20)
                 assert raised.value.code is ErrorCode.UNAVAILABLE and "gone" in raised.value.message
     asyncio.run(scenario())
+
+
+def test_an_answer_lost_with_the_clients_own_server_is_sent_again_when_the_client_asks():
+    """The client's nats-server went away while the answer passed through it (a NATS node killed
+    under load, tests/test_multihost.py): the router's connection never broke, so nothing told it,
+    and the client waited out its timeout. Now the client, connected again, asks the receipt's
+    probe for the answer, and the router sends it again."""
+    async def scenario():
+        with NatsServer() as server:
+            proxy = CuttingProxy(server.url)
+            async with proxy as client_url, await Bus.connect(client_url, "client", reconnect_wait_s=0.05) as client, \
+                    await Bus.connect(server.url, "router") as router:
+                reached, go = asyncio.Event(), asyncio.Event()
+
+                async def answer_when_told(request):
+                    reached.set()
+                    await go.wait()
+                    return reply([7, 8])
+                endpoint = await router.serve(subjects.GENERATE, GenerateRequest, answer_when_told)
+                asked = asyncio.create_task(client.request(subjects.GENERATE, REQUEST, GenerateReply, 60))
+                await done_within(reached.wait(), 10, "the request reaching the router")
+                proxy.cut()
+                await until(lambda: not client.connection.is_connected, 10, "the client seeing its server gone",
+                            every_s=0.01)
+                go.set()
+                await until(lambda: endpoint.stats.requests == 1, 10, "the answer sent with the client away",
+                            every_s=0.01)
+                proxy.up = True
+                got = await done_within(asked, 20, "the answer, asked for again")
+                assert got == reply([7, 8]) and endpoint.stats.requests == 1
+    asyncio.run(scenario())
+
+
+def test_answers_kept_to_send_again_are_bounded_by_age_and_bytes(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(endpoint_module.time, "monotonic", lambda: now[0])
+    kept = SentAnswers(keep_s=60.0, max_bytes=10)
+    kept.add("a", b"1234")
+    kept.add("b", b"5678")
+    kept.add("a", b"abcd")  # sent again: one copy, counted once
+    assert (kept.get("a"), kept.get("b")) == (b"abcd", b"5678")
+    kept.add("c", b"90ab")  # 12 bytes: the oldest goes
+    assert (kept.get("b"), kept.get("a"), kept.get("c")) == (None, b"abcd", b"90ab")
+    now[0] += 61.0
+    assert kept.get("c") is None and kept.get("a") is None
 
 
 def test_a_handler_knows_which_client_sent_the_request(nats_server):

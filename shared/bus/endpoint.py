@@ -32,6 +32,8 @@ _STREAM_END_LOST = ("the NATS connection was lost as the reply's last chunks wen
 REDELIVER_S = 5.0  # how long a reply sent around a reconnect is sent again while nobody is there to take it
 ACK_S = 20.0  # how long a unary reply waits for the server's PONG after it (> nats-py's ping-out, PING_S x 3)
 RECEIPTS_KEPT = 65_536  # reply subjects of the latest requests taken, so that a resend is told apart
+ANSWERS_KEPT_S = 120.0  # how long a unary answer is kept to be sent again when its client asks (SentAnswers)
+ANSWERS_KEPT_BYTES = 32 << 20  # ... and how much of them at most
 
 # A handler returns one reply (or None: no reply), or is an async generator yielding several.
 Handler = Callable[[Any], Awaitable[Any] | AsyncIterator[Any]]
@@ -57,6 +59,41 @@ class EndpointStats:
         return self.latency_total_s / self.requests if self.requests else 0.0
 
 
+class SentAnswers:
+    """The latest unary answers of an endpoint with receipts, encoded, by reply subject. A client
+    whose connection was re-made while it waited may have lost its answer with the server it was
+    on (the answer went out whole on ours); it asks for it again (`subjects.RESEND_HEADER`).
+    Bounded by age and bytes: the oldest go first."""
+
+    def __init__(self, keep_s: float = ANSWERS_KEPT_S, max_bytes: int = ANSWERS_KEPT_BYTES):
+        self._keep_s, self._max_bytes = keep_s, max_bytes
+        self._answers: OrderedDict[str, tuple[float, bytes]] = OrderedDict()  # reply subject -> (sent at, data)
+        self._bytes = 0
+
+    def add(self, reply_subject: str, data: bytes) -> None:
+        self._drop(reply_subject)
+        self._answers[reply_subject] = (time.monotonic(), data)
+        self._bytes += len(data)
+        self._trim()
+
+    def get(self, reply_subject: str) -> bytes | None:
+        self._trim()
+        entry = self._answers.get(reply_subject)
+        return entry[1] if entry else None
+
+    def _drop(self, reply_subject: str) -> None:
+        if (entry := self._answers.pop(reply_subject, None)) is not None:
+            self._bytes -= len(entry[1])
+
+    def _trim(self) -> None:
+        now = time.monotonic()
+        while self._answers:
+            reply_subject, (sent_at, _) = next(iter(self._answers.items()))
+            if now - sent_at <= self._keep_s and self._bytes <= self._max_bytes:
+                return
+            self._drop(reply_subject)
+
+
 class Endpoint:
     """Serves `subject`: each message is handled in its own task, at most `max_in_flight` at once
     (beyond that the reply is `busy`). Handler errors become error replies: BatonError keeps its
@@ -74,10 +111,11 @@ class Endpoint:
         self._sub: Subscription | None = None
         self._probe: Subscription | None = None  # receipts: this endpoint's probe, named in every reply
         self._taken: OrderedDict[str, None] = OrderedDict()  # receipts: reply subjects of requests taken
+        self._sent = SentAnswers()  # receipts: unary answers, to send again when a client asks
 
     async def start(self) -> None:
         if self.subject in subjects.ACKNOWLEDGED:
-            self._probe = await self._nc.subscribe(self._nc.new_inbox(), cb=_ignore)
+            self._probe = await self._nc.subscribe(self._nc.new_inbox(), cb=self._on_probe)
         self._sub = await self._nc.subscribe(self.subject, queue=self.queue or "", cb=self._on_message)
 
     async def stop(self, grace_s: float) -> None:
@@ -205,6 +243,8 @@ class Endpoint:
         goes again the same way on the next connection; a requester ignores a second copy."""
         if self._nc.is_closed or not reply_subject or message is None:
             return await self._reply(reply_subject, message)
+        if self._probe is not None:
+            self._sent.add(reply_subject, encode_for(reply_subject, message, self._nc.max_payload))
         if connection_epoch(self._nc) != epoch:
             return await self._redeliver(reply_subject, message)
         await self._reply(reply_subject, message)
@@ -265,6 +305,16 @@ class Endpoint:
                 await probe.unsubscribe()
         return not (answer.headers and answer.headers.get("Status") == "503")
 
+    async def _on_probe(self, msg: Msg) -> None:
+        """A client's ping of the probe (taken and ignored: the client knows this endpoint lives),
+        or its ask for a unary answer again (`subjects.RESEND_HEADER`), sent if it went out."""
+        reply_subject = msg.headers.get(subjects.RESEND_HEADER) if msg.headers else None
+        if reply_subject and (data := self._sent.get(reply_subject)) is not None:
+            try:
+                await self._nc.publish(reply_subject, data, headers={subjects.SENDER_HEADER: self._probe.subject})
+            except nats.errors.Error as exc:  # the client asks again
+                log.debug("%s: answer not sent again: %s", self.subject, exc)
+
     async def _reply_error(self, reply_subject: str, error: BatonError, epoch: int) -> None:
         if not reply_subject:
             return
@@ -272,10 +322,6 @@ class Endpoint:
             await self._answer(reply_subject, error.to_reply(), epoch)
         except Exception as exc:  # closed connection: the caller will time out; nothing else to do
             log.warning("%s: could not send error reply %s: %s", self.subject, error.code.value, exc)
-
-
-async def _ignore(msg: Msg) -> None:
-    """A client's ping of the probe: received, so the client knows this endpoint lives."""
 
 
 def _retrieve(future: asyncio.Future) -> None:

@@ -35,7 +35,9 @@ class ReplyStream(Generic[M]):
     unavailable too: messages sent while it was away are gone, so what follows would have a gap.
     A request to a subject in `subjects.ACKNOWLEDGED` is sent again every RECEIPT_S until a server
     acknowledges it (core NATS may lose it on the way, e.g. to a server cut off from the cluster),
-    the receipt's probe is pinged like a chunk's, and only that server's replies count.
+    the receipt's probe is pinged like a chunk's, and only that server's replies count. One reply
+    awaited across a reconnect is asked for again at every `liveness_s` of silence: the server we
+    were on may have dropped it, and the sender sends it again if it went out.
     The subscription is removed when the stream ends, on `close()`, on leaving `async with`, or
     when the bus closes.
     """
@@ -129,6 +131,8 @@ class ReplyStream(Generic[M]):
                             raise
                     self._check_connection()
                     self._check_sender()
+                    if self._one_reply and self._sender and connection_epoch(self._nc) != self._epoch:
+                        await self._ask_for_the_reply()
                     if self._receipts and self._sender is None and loop.time() - self._sent_at >= RECEIPT_S:
                         await self._send()  # lost on the way, or its receipt was: a server takes it once
 
@@ -138,8 +142,13 @@ class ReplyStream(Generic[M]):
         with nats_errors_mapped(self._request_subject):
             await self._nc.publish(self._request_subject, self._request_data, reply=self.subject, headers=headers)
 
+    async def _ask_for_the_reply(self) -> None:
+        """Ask the sender for its one reply again (sent if it already went out; else it comes when ready)."""
+        if self._nc.is_connected:
+            await self._nc.publish(self._sender, b"", headers={subjects.RESEND_HEADER: self.subject})
+
     def _check_connection(self) -> None:
-        """A gap is possible in a stream, not in one reply (its sender sends it again, Endpoint._answer)."""
+        """A gap is possible in a stream; one reply lost with a connection is asked for again."""
         if not self._one_reply and connection_epoch(self._nc) != self._epoch:
             raise BatonError(ErrorCode.UNAVAILABLE, f"{self._request_subject}: the NATS connection was lost "
                              "while the reply streamed, so part of it may be lost; send the request again")
