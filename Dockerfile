@@ -2,6 +2,7 @@
 #
 #   docker build -t baton:cpu .                                            # CPU, public images and indexes
 #   docker build -t baton:cuda --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#                --build-arg BUILD_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
 #                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 #
 # Offline or behind a mirror, nothing here needs an edit: BASE_IMAGE names any image with python3
@@ -14,6 +15,31 @@
 # The model in models/ is baked in; mount another one and set BATON_MODEL_PATH to serve it.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
+# The fused CPU ops (kernels/cpu_fused.cpp) are compiled in a stage of their own, whose image has a
+# C++ compiler and Python's headers (the full python image has both; a base without them gets them
+# from apt); the service image takes only the module (kernels/prebuilt/), no compiler. It must
+# have the same Python as BASE_IMAGE.
+ARG BUILD_IMAGE=python:3.11-bookworm
+
+FROM ${BUILD_IMAGE} AS fused-ops
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
+ARG PIP_TRUSTED_HOST
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN if ! command -v c++ > /dev/null || ! python3 -c "import os, sys, sysconfig; \
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then \
+      apt-get update && apt-get install -y --no-install-recommends g++ python3-dev python3-venv \
+      && rm -rf /var/lib/apt/lists/* /var/cache/apt/*; fi \
+ && python3 -m venv /opt/build \
+ && /opt/build/bin/pip install "torch==2.13.0" --index-url "$TORCH_INDEX_URL" \
+ && /opt/build/bin/pip install ninja numpy setuptools
+COPY kernels /src/baton/kernels
+RUN touch /src/baton/__init__.py && cd /src && /opt/build/bin/python -c "from pathlib import Path; \
+from baton.kernels import cpu_fused; cpu_fused.build(Path('/out'))" && rm -rf /out/*.o /out/build.ninja /out/.ninja*
+
 FROM ${BASE_IMAGE}
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PIP_INDEX_URL
@@ -59,10 +85,15 @@ COPY shared ./shared
 COPY proto ./proto
 COPY services ./services
 COPY kernels ./kernels
+COPY --from=fused-ops /out/ ./kernels/prebuilt/
 COPY models ./models
 # editable, so the shipped model resolves next to the code (models/baton-tiny); its dependencies
 # and setuptools (torch's) are in the venv already, so nothing is fetched here
-RUN pip install --no-deps --no-build-isolation -e ".[transfer]" && baton config show > /dev/null
+# the fused ops' module must load here: built for another Python (BUILD_IMAGE not matching
+# BASE_IMAGE) it is dropped with a warning, and the services run the ops' torch references
+RUN pip install --no-deps --no-build-isolation -e ".[transfer]" && baton config show > /dev/null \
+ && { python3 -c "from baton.kernels import cpu_fused; assert cpu_fused._prebuilt() is not None" || { rm -rf \
+      kernels/prebuilt; echo "WARNING: the fused CPU ops built in BUILD_IMAGE do not load in BASE_IMAGE" >&2; }; }
 USER baton
 # NATS clients 4222 (outbound only); HTTP frontend 8000; Prometheus metrics 9100 (metrics.port).
 # NIXL/UCX over TCP listens on ephemeral ports unless UCX_TCP_PORT_RANGE is set.

@@ -33,7 +33,9 @@ their references, ~17 us faster per layer call than the same composition from Py
 torch.utils.cpp_extension the first time a process asks for it (~25 s on 2 cores;
 `scripts/bootstrap.sh` does it once) and cached under
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), under a name carrying a hash of the
-source (torch's cache judges staleness by file times, which a copy can keep). Where it cannot be
+source (torch's cache judges staleness by file times, which a copy can keep). A module of that
+name in `prebuilt/` beside the source is loaded instead, without a compiler: the container image
+builds one in a stage of its own (`Dockerfile`, `build(directory)`). Where it cannot be
 built (no C++ compiler or ninja), or with BATON_KERNELS=torch (read once per process), or for tensors it does
 not take (bfloat16, CUDA, non-contiguous, autograd), the references run: same results to
 rounding, slower.
@@ -42,6 +44,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import time
@@ -55,25 +59,50 @@ from baton.kernels.dispatch import kernel_mode
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_fused.cpp")
+PREBUILT = SOURCE.with_name("prebuilt")  # `<module name>.so` built elsewhere (the image's build stage)
+
+
+def module_name() -> str:
+    """Named by the source's content: torch's cache decides staleness by file times (ninja), so a
+    copy that keeps an older time than the cached build would load that build, of other code."""
+    return f"baton_cpu_fused_{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
+
+
+def build(directory: Path | None = None):
+    """Compile the ops (a no-op when the cached build is current) -> the module; its file is
+    `<directory>/<module_name()>.so` when `directory` is given, else in torch's extension cache."""
+    import ninja  # the pip package: torch's build calls `ninja`, which may not be on PATH
+    from torch.utils import cpp_extension
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(module_name(), [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                              extra_ldflags=["-fopenmp"], build_directory=None if directory is None else str(directory))
+
+
+def _prebuilt():
+    """The module from PREBUILT, if a build of this source is there; else None."""
+    name = module_name()
+    path = PREBUILT / f"{name}.so"
+    if not path.exists():
+        return None
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path, loader=loader))
+    loader.exec_module(module)
+    return module
 
 
 @functools.cache
 def extension():
-    """The compiled module, built on first call (and cached on disk); None where it cannot be built."""
+    """The compiled module: prebuilt, or built on first call (and cached on disk); None where it
+    can be neither loaded nor built."""
+    start = time.perf_counter()
     try:
-        import ninja  # the pip package: torch's build calls `ninja`, which may not be on PATH
-        from torch.utils import cpp_extension
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        start = time.perf_counter()
-        # named by the source's content: torch's cache decides staleness by file times (ninja), so a
-        # copy that keeps an older time than the cached build would load that build, of other code
-        name = f"baton_cpu_fused_{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
-        module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                                    extra_ldflags=["-fopenmp"])
+        module = _prebuilt() or build()
     except Exception as exc:  # noqa: BLE001 - any build failure means: run the references
         log.warning("fused CPU ops unavailable, running their torch references: %s", str(exc).strip()[:500])
         return None
-    log.info("fused CPU ops ready in %.1f s", time.perf_counter() - start)
+    log.info("fused CPU ops ready in %.1f s (%s)", time.perf_counter() - start, module.__file__)
     return module
 
 

