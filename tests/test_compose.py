@@ -129,11 +129,14 @@ def test_dockerfile_copies_every_package_and_builds_from_build_args():
     assert package_dirs and package_dirs <= {c.strip("./") for c in copied} | {"README.md"}, package_dirs - copied
     assert "models" in {c.strip("./") for c in copied}
     assert 'pip install --no-deps --no-build-isolation -e ".[transfer]"' in text  # the model resolves next to the code
-    # no registry needed beyond the base image: no BuildKit frontend to pull, no stage named by a
-    # variable (buildah cannot resolve it; the classic builder builds every stage)
+    # no registry needed beyond the base and build images: no BuildKit frontend to pull, no stage
+    # named by a variable (buildah cannot resolve it; the classic builder builds every stage)
     assert "# syntax" not in text and "${VARIANT}" not in text
-    assert {m for m in re.findall(r"^FROM (\S+)", text, re.M)} == {"${BASE_IMAGE}"}
+    assert re.findall(r"^FROM (.+)$", text, re.M) == ["${BUILD_IMAGE} AS fused-ops", "${BASE_IMAGE}"]
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim-bookworm$", text, re.M)
+    assert re.search(r"^ARG BUILD_IMAGE=python:3\.11-bookworm$", text, re.M)  # the same Python, with a compiler
+    # the service image takes the compiled fused CPU ops, where cpu_fused looks for them (PREBUILT)
+    assert "COPY --from=fused-ops /out/ ./kernels/prebuilt/" in text and "cpu_fused.build(Path('/out'))" in text
     assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", text, re.M)
     args = compose_file()["x-baton"]["build"]["args"]
     assert set(args) <= set(re.findall(r"^ARG (\w+)", text, re.M)), args
