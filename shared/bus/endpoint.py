@@ -229,9 +229,12 @@ class Endpoint:
 
     async def _reply(self, reply_subject: str, message: Any, probe: str = "") -> None:
         if reply_subject and message is not None:
-            sender = {subjects.SENDER_HEADER: self._probe.subject} if self._probe is not None else None
-            await self._nc.publish(reply_subject, encode_for(reply_subject, message, self._nc.max_payload),
-                                   reply=probe, headers=sender)
+            await self._publish(reply_subject, encode_for(reply_subject, message, self._nc.max_payload), probe)
+
+    async def _publish(self, reply_subject: str, data: bytes, probe: str = "") -> None:
+        """An encoded reply, naming this endpoint's probe (SENDER_HEADER) where it has receipts."""
+        sender = {subjects.SENDER_HEADER: self._probe.subject} if self._probe is not None else None
+        await self._nc.publish(reply_subject, data, reply=probe, headers=sender)
 
     async def _answer(self, reply_subject: str, message: Any, epoch: int) -> None:
         """The one reply to a request. If the connection was re-made while it was handled (e.g.
@@ -243,11 +246,12 @@ class Endpoint:
         goes again the same way on the next connection; a requester ignores a second copy."""
         if self._nc.is_closed or not reply_subject or message is None:
             return await self._reply(reply_subject, message)
+        data = encode_for(reply_subject, message, self._nc.max_payload)
         if self._probe is not None:
-            self._sent.add(reply_subject, encode_for(reply_subject, message, self._nc.max_payload))
+            self._sent.add(reply_subject, data)
         if connection_epoch(self._nc) != epoch:
             return await self._redeliver(reply_subject, message)
-        await self._reply(reply_subject, message)
+        await self._publish(reply_subject, data)
         self._confirm_later(reply_subject, message, epoch)
 
     def _confirm_later(self, reply_subject: str, message: Any, epoch: int) -> None:
@@ -311,7 +315,7 @@ class Endpoint:
         reply_subject = msg.headers.get(subjects.RESEND_HEADER) if msg.headers else None
         if reply_subject and (data := self._sent.get(reply_subject)) is not None:
             try:
-                await self._nc.publish(reply_subject, data, headers={subjects.SENDER_HEADER: self._probe.subject})
+                await self._publish(reply_subject, data)
             except nats.errors.Error as exc:  # the client asks again
                 log.debug("%s: answer not sent again: %s", self.subject, exc)
 
