@@ -258,7 +258,7 @@ class DecoderLayer(nn.Module):
         a = self.self_attn.forward(self.input_layernorm.forward(x), rope, attn)  # [T, d]
         if rows is not None:
             x, a = x.index_select(0, rows), a.index_select(0, rows)
-        x, h = cpu_fused.add_rms_norm(x, a, post.weight, post.eps)  # x + attention, its norm: [T, d] each
+        x, h = cpu_fused.add_rms_norm(x, a, post.weight, post.eps)  # x + attention, its norm: [N, d] each
         return x + self.mlp.forward(h)
 
     def _fused(self, x: torch.Tensor) -> bool:
