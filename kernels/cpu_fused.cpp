@@ -399,12 +399,15 @@ torch::Tensor attention_output_mlp(const torch::Tensor& x, const torch::Tensor& 
   return at::add(sum, at::mm(at::mul(at::silu(gate_up.slice(1, 0, I)), gate_up.slice(1, I)), down_wt));
 }
 
+// Each op runs without the GIL (it touches no Python object): the service's event loop thread
+// answers, streams and receives while the engine thread is inside a layer.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "w * x / rms(x) over the last dimension");
-  m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))");
-  m.def("qk_norm_rope", &qk_norm_rope, "per-head RMS norm of q and k, then RoPE");
-  m.def("argmax", &argmax, "first index of each row's maximum (or first NaN), as torch.argmax");
-  m.def("paged_attention", &paged_attention, "attention of each sequence's queries over its cache rows");
-  m.def("attention_input", &attention_input, "a decoder layer's input norm, QKV projection, q/k norms and RoPE");
-  m.def("attention_output_mlp", &attention_output_mlp, "a decoder layer's output projection, residual, norm and MLP");
+  using no_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("rms_norm", &rms_norm, "w * x / rms(x) over the last dimension", no_gil());
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta))", no_gil());
+  m.def("qk_norm_rope", &qk_norm_rope, "per-head RMS norm of q and k, then RoPE", no_gil());
+  m.def("argmax", &argmax, "first index of each row's maximum (or first NaN), as torch.argmax", no_gil());
+  m.def("paged_attention", &paged_attention, "attention of each sequence's queries over its cache rows", no_gil());
+  m.def("attention_input", &attention_input, "a decoder layer's input norm, QKV projection, q/k norms and RoPE", no_gil());
+  m.def("attention_output_mlp", &attention_output_mlp, "a decoder layer's output projection, residual, norm and MLP", no_gil());
 }
