@@ -231,6 +231,14 @@ class PrefillTarget(Message):
     transfer_plan: dict  # PlanReply.plan
 
 
+class WriteStarting(Message):
+    """Prefill -> decode, published (no reply) as prefill starts a request's WRITE: decode looks
+    for the WRITE's notifications every 0.1 ms from now on, not every 1 ms. Only a hint: when it
+    is lost, the state is found all the same, up to 1 ms later."""
+
+    request_id: RequestId
+
+
 class PrefillDone(Message):
     """The reply to PrefillDispatch once the transfer is complete and decode was notified."""
 

@@ -63,6 +63,7 @@ def _per_worker(role: str, verb: str) -> Callable[[str], str]:
 
 decode_reserve = _per_worker("decode", "reserve")
 decode_release = _per_worker("decode", "release")
+decode_incoming = _per_worker("decode", "incoming")  # WriteStarting, published by prefill (no reply)
 decode_prefixes = _per_worker("decode", "prefixes")  # PrefixQuery -> PrefixEvents snapshot: what its turn cache holds
 prefill_dispatch = _per_worker("prefill", "dispatch")
 prefill_target = _per_worker("prefill", "target")

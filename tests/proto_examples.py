@@ -67,6 +67,7 @@ EXAMPLES = [
                             draft_state="transfer"),
     internal.ReserveReply(request_id="r-1", decode_worker_id="decode-0", allocation={"pages": [1, 2], "slot": 3}),
     internal.ReleaseRequest(request_id="r-1", reason="client cancelled"),
+    internal.WriteStarting(request_id="r-1"),
     internal.TokenChunk(request_id="r-1", seq=0, token_ids=[412, 9]),
     internal.TokenChunk(request_id="r-2", seq=0, token_ids=[412, 9], logprobs=LOGPROBS),
     internal.TokenChunk(request_id="r-3", seq=0, token_ids=[412], source="prefill"),

@@ -13,7 +13,9 @@ import torch
 
 from baton import cli
 from baton.proto import subjects
+from baton.proto.codec import decode as decode_message
 from baton.proto.errors import BatonError, ErrorCode
+from baton.proto.internal import WriteStarting
 from baton.proto.public import (CancelReply, CancelRequest, GenerateReply, GenerateRequest, Logprobs, SpecStats,
                                 StreamChunk)
 from baton.shared.bus import Bus
@@ -313,6 +315,28 @@ def test_prefill_logs_each_transfer_with_its_descriptor_count(cluster):
     (row,) = logged()
     assert row["outcome"] == "done" and row["transfer_bytes"] > 0
     assert 4 <= row["descriptors"] <= 8  # FULL run(s), target and draft ring slots, the aux row
+
+
+def test_prefill_tells_decode_as_each_write_starts(cluster, reference):
+    """Prefill publishes WriteStarting to the decode it writes to, once per request, before the
+    state lands (decode then polls for it closely); the reply is unchanged."""
+    prompt = window_prompts()[1]
+
+    async def run():
+        seen: list[tuple[str, WriteStarting]] = []
+
+        async def on_hint(msg) -> None:
+            seen.append((msg.subject, decode_message(msg.data, WriteStarting)))
+        async with await Bus.connect(cluster.nats_url, "test-hints") as watcher:
+            await watcher.subscribe(subjects.decode_incoming("any").replace(".any.", ".*."), on_hint)
+            reply = await generate(cluster.nats_url, token_ids=prompt, max_tokens=24)
+            await until(lambda: any(h.request_id.startswith(reply.request_id) for _, h in seen), 10,
+                        "a WriteStarting for the request")
+        return reply, [(subject, h) for subject, h in seen if h.request_id.startswith(reply.request_id)]
+    reply, hints = asyncio.run(run())
+    want = reference.greedy(prompt, 24)
+    assert (reply.token_ids, reply.finish_reason) == (want, "length" if len(want) == 24 else "stop")
+    assert len(hints) == 1 and hints[0][0].endswith(".incoming") and ".decode." in hints[0][0]
 
 
 # --- logprobs: generated tokens' and the prompt's equal transformers' log-softmax at the same

@@ -206,3 +206,20 @@ def test_write_in_flight_at_its_deadline_is_cancelled_and_reported(monkeypatch):
             assert [e.kind for e in events] == [EventKind.FAILED, EventKind.RELEASE]
 
     asyncio.run(main())
+
+
+def test_a_write_announced_as_starting_is_watched_closely_until_it_lands():
+    async def main():
+        a, b, a_pools, b_pools = await pair()
+        async with a, b:
+            b.arrivals.expect(5, "a", ["full"], 64, 5.0)
+            b.incoming(99)  # not expected here: ignored
+            assert b.arrivals.due == 0
+            b.incoming(5)
+            assert b.arrivals.due == 1
+            assert (await a.write("b", PLAN, 5, 1.0)).ok
+            assert (await asyncio.wait_for(b.arrivals.events.get(), 2)).kind is EventKind.ARRIVED
+            assert b.arrivals.due == 0 and b.arrivals.pending == 0
+            assert (b_pools.full[2 * ITEM:4 * ITEM] == a_pools.full[:2 * ITEM]).all()
+
+    asyncio.run(main())

@@ -247,6 +247,24 @@ def test_arrival_needs_every_write_every_component_and_the_tag_in_the_aux_row():
     assert r.events() == [(5, EventKind.ARRIVED)] and r.tracker.pending == 0
 
 
+def test_a_write_announced_as_starting_is_due_until_it_lands_or_is_released():
+    r = Receiver()
+    r.tracker.expect(5, "p", ["full"], 0, 10.0)
+    r.tracker.expect(6, "p", ["full"], 64, 10.0)
+    assert r.tracker.due == 0
+    assert r.tracker.incoming(5) and r.tracker.due == 1
+    assert not r.tracker.incoming(5) and r.tracker.due == 1  # announced twice: counted once
+    assert not r.tracker.incoming(7) and r.tracker.due == 1  # not expected here: ignored
+    assert r.tracker.incoming(6) and r.tracker.due == 2
+    write_tag(r.aux, 0, 5)
+    r.written(5, AUX_KEY, "full")
+    assert r.events() == [(5, EventKind.ARRIVED)] and r.tracker.due == 1
+    r.tracker.on_notice("p", Notice(Kind.FAILED, 6))
+    assert r.events() == [(6, EventKind.FAILED), (6, EventKind.RELEASE)] and r.tracker.due == 0
+    assert not r.tracker.incoming(5)  # arrived already: a late announcement changes nothing
+    assert r.tracker.due == 0
+
+
 def test_every_write_landed_without_a_planned_component_fails_and_releases():
     r = Receiver()
     r.tracker.expect(5, "p", ["full", "swa"], 0, 10.0)
@@ -368,20 +386,22 @@ def test_cancel_releases_in_flight_writes_unless_refused_or_copy_threads_run_the
     assert len(warnings) == 2 and "copy threads" in warnings[1]  # once per WRITE
 
 
-def test_notifications_are_collected_fast_only_while_a_due_write_cannot_wait():
-    """The NIXL thread polls every 0.1 ms for a WRITE due to us, unless the receiver's engine is
-    stepping (the arrival waits for that step anyway): then every 1 ms, as with WRITEs of its own in
-    flight; 10 ms with nothing due."""
+def test_notifications_are_collected_fast_only_while_a_started_write_cannot_wait():
+    """The NIXL thread polls every 0.1 ms for a WRITE to us that its sender said started, unless
+    the receiver's engine is stepping (the arrival waits for that step anyway): then every 1 ms,
+    as for a WRITE still to start and with WRITEs of its own in flight; 10 ms with nothing to come."""
     from baton.shared.transfer import nixl_thread as nt
     thread = nt.NixlThread.__new__(nt.NixlThread)  # the interval rule alone: no agent, no thread
-    thread._watched, due, busy = [], [False], [False]
-    thread.expecting, thread.patient = (lambda: due[0]), (lambda: busy[0])
+    thread._watched, expected, started, busy = [], [False], [False], [False]
+    thread.expecting, thread.due, thread.patient = (lambda: expected[0]), (lambda: started[0]), (lambda: busy[0])
     assert thread._progress_interval() == nt.IDLE_PROGRESS_S
-    due[0] = True
+    expected[0] = True
+    assert thread._progress_interval() == nt.PROGRESS_S
+    started[0] = True
     assert thread._progress_interval() == nt.EXPECTING_PROGRESS_S
     busy[0] = True
     assert thread._progress_interval() == nt.PROGRESS_S
-    due[0] = False
+    expected[0] = started[0] = False
     assert thread._progress_interval() == nt.IDLE_PROGRESS_S
     thread._watched = [object()]
     assert thread._progress_interval() == nt.PROGRESS_S

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from baton.proto import subjects
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, PrefixEvents, PrefixQuery, ReleaseRequest, ReserveReply, ReserveRequest,
-                                  TokenChunk, WorkerLoad)
+                                  TokenChunk, WorkerLoad, WriteStarting)
 from baton.proto.public import SpecStats, Timing
 from baton.shared.bus import Bus
 from baton.shared.engine.sampling import SamplingParams
@@ -95,6 +95,7 @@ class DecodeWorker(Worker):
         await self.bus.subscribe(f"{self.probe_prefix}.*", self._on_probe)
         await self.bus.serve(subjects.decode_reserve(worker_id), ReserveRequest, self.reserve)
         await self.bus.serve(subjects.decode_release(worker_id), ReleaseRequest, self.release)
+        await self.bus.serve(subjects.decode_incoming(worker_id), WriteStarting, self.incoming)
         await self.bus.serve(subjects.decode_prefixes(worker_id), PrefixQuery, self.prefixes)
 
     async def _leave(self) -> None:
@@ -204,6 +205,10 @@ class DecodeWorker(Worker):
     async def release(self, msg: ReleaseRequest) -> Ack:
         self._end(request_tag(msg.request_id), msg.reason or "released", msg.finish_reason)
         return Ack()
+
+    async def incoming(self, msg: WriteStarting) -> None:
+        """Prefill starts writing a request's state (a hint, published: no reply)."""
+        self.agent.incoming(request_tag(msg.request_id))
 
     async def _on_probe(self, msg: Msg) -> None:
         """A 503 "no responders" for a chunk's probe: the router's token inbox is gone (the router

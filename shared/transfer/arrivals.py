@@ -49,6 +49,7 @@ class _Pending:
     aux_offset: int
     deadline: float  # time.monotonic()
     failed: bool = False  # FAILED already emitted; waiting for a reason to RELEASE
+    due: bool = False  # its sender said a WRITE started (`incoming`)
     parts: int = 0  # the request's number of WRITEs, from its first WRITTEN notice (0: none yet)
     seen: set[int] = field(default_factory=set)  # WRITEs landed
     carried: set[str] = field(default_factory=set)  # components those WRITEs carried
@@ -71,11 +72,22 @@ class ArrivalTracker:
         self._aux = aux
         self._metrics = metrics
         self._pending: dict[int, _Pending] = {}
+        self.due = 0  # pending requests whose sender said a WRITE started (an int: read from the NIXL thread)
 
     @property
     def pending(self) -> int:
         """Requests whose slots are still held (waiting for arrival or for a safe release)."""
         return len(self._pending)
+
+    def incoming(self, tag: int) -> bool:
+        """The sender of `tag` says its WRITE starts now (a hint; it may trail the WRITE, or never
+        come). -> whether `tag` is pending and was not due yet."""
+        entry = self._pending.get(tag)
+        if entry is None or entry.due:
+            return False
+        entry.due = True
+        self.due += 1
+        return True
 
     def expect(self, tag: int, peer: str, components: Iterable[str], aux_offset: int,
                deadline_s: float) -> None:
@@ -162,7 +174,7 @@ class ArrivalTracker:
             self._fail(tag, entry, f"aux row carries tag {found}, not {tag}")
             self._release(tag)
             return
-        del self._pending[tag]
+        self._forget(tag)
         self._metrics.peer(entry.peer).arrivals += 1
         self._emit(tag, EventKind.ARRIVED)
 
@@ -172,8 +184,12 @@ class ArrivalTracker:
         self._emit(tag, EventKind.FAILED, reason)
 
     def _release(self, tag: int) -> None:
-        del self._pending[tag]
+        self._forget(tag)
         self._emit(tag, EventKind.RELEASE)
+
+    def _forget(self, tag: int) -> None:
+        if self._pending.pop(tag).due:
+            self.due -= 1
 
     def _emit(self, tag: int, kind: EventKind, reason: str = "") -> None:
         self.events.put_nowait(ArrivalEvent(tag, kind, reason))

@@ -13,13 +13,15 @@ was 3.5-4.2 ms with it and 1.7-2.0 ms without (docs/benchmarks.md, stop 15). (St
 paced, because driving progress from here seemed to leave one request in a thousand stalled;
 that was the lost wake-up `_Inbox` fixes.) This thread, between calls,
 (1) collects notifications with `get_new_notifs` (which progresses UCX: our notices go out, a
-peer's arrive) every EXPECTING_PROGRESS_S while `expecting()` says a WRITE to us is due (a
-receiver waiting for a request's state) and `patient()` does not say it may wait (the receiver's
-engine is stepping: an arrival waits for the step in flight anyway), every PROGRESS_S while WRITEs
-of ours are in flight, after a call, or while a due WRITE may wait, and every IDLE_PROGRESS_S
-otherwise — each wake-up takes the GIL from the engine thread, and at 1 kHz that cost a decode step
-~1.5 ms (docs/benchmarks.md, issue 21); at c = 16 polling every 0.1 ms took 5% of decode's CPU —
-and hands them to the sink (`set_sink`);
+peer's arrive) every EXPECTING_PROGRESS_S while `due()` says a WRITE to us has started (its
+sender said so: `hurry`) and `patient()` does not say it may wait (the receiver's engine is
+stepping: an arrival waits for the step in flight anyway); every PROGRESS_S while `expecting()`
+says a WRITE to us is to come (a receiver holding a reservation), while WRITEs of ours are in
+flight, after a call, or while a due WRITE may wait; and every IDLE_PROGRESS_S otherwise. Each
+wake-up takes the GIL from the engine thread: at 1 kHz that cost a decode step ~1.5 ms
+(docs/benchmarks.md, issue 21), at c = 16 polling every 0.1 ms took 5% of decode's CPU, and at
+c = 1 polling every 0.1 ms from reservation to arrival (the whole prefill) took ~2/3 of a core
+from the prefill it waited for (stop 51). Collected notifications go to the sink (`set_sink`);
 (2) checks the state of posted WRITEs (`post`; progresses them), from WATCH_FIRST_S backing off
 to WATCH_MAX_S; once none is in flight it calls their callback, then releases their handles
 (before any call queued after the callback ran: the handles are gone by the time a caller
@@ -85,6 +87,7 @@ class NixlThread:
     def __init__(self, name: str, copy_threads: int = 0):
         self.copy_threads = copy_threads
         self.expecting: Callable[[], bool] = lambda: False  # read on the NIXL thread: must be cheap and safe
+        self.due: Callable[[], bool] = lambda: False  # likewise: a WRITE to us has started
         self.patient: Callable[[], bool] = lambda: False  # likewise: a due WRITE may wait PROGRESS_S
         self._calls = _Inbox()
         self._held: Notifications = {}  # collected, not yet handed to a sink (NIXL thread only)
@@ -127,6 +130,11 @@ class NixlThread:
         finally:
             self._watched.append(_Watch(xfers, done))
             self._watch_due(agent)
+
+    def hurry(self) -> None:
+        """A WRITE to us has started (`due()` now says so): collect notifications at once, and from
+        then on every EXPECTING_PROGRESS_S."""
+        self.submit(self._progress)
 
     def close(self) -> None:
         """Run the calls already queued, stop the thread; later calls fail at once."""
@@ -173,12 +181,13 @@ class NixlThread:
                     future.set_result(fn(agent, *args))
                 except BaseException as e:
                     future.set_exception(_without_frames(e))
-            next_progress = min(next_progress, time.monotonic() + PROGRESS_S)  # what the call sent goes out
+            # what the call sent goes out; a call that made a WRITE due polls at its pace from now on
+            next_progress = min(next_progress, time.monotonic() + min(PROGRESS_S, self._progress_interval()))
 
     def _progress_interval(self) -> float:
-        if self.expecting():
-            return PROGRESS_S if self.patient() else EXPECTING_PROGRESS_S
-        return PROGRESS_S if self._watched else IDLE_PROGRESS_S
+        if self.due() and not self.patient():
+            return EXPECTING_PROGRESS_S
+        return PROGRESS_S if self.expecting() or self._watched else IDLE_PROGRESS_S
 
     def _watch_due(self, agent: Any) -> list[_Watch]:
         """Refresh the watched WRITEs that are due; finish those with nothing in flight."""
