@@ -401,6 +401,11 @@ torch::Tensor attention_output_mlp(const torch::Tensor& x, const torch::Tensor& 
 
 // Each op runs without the GIL (it touches no Python object): the service's event loop thread
 // answers, streams and receives while the engine thread is inside a layer.
+// Whether this CPU holds the argmax's and the attention's 16-float vectors in one register
+// (AVX-512F). Built for AVX2, GCC keeps arrays of them on the stack: both ran 3-4.5x slower than
+// torch's ops there (kernels/cpu_fused.py `wide_vectors`).
+bool wide_vectors() { return __builtin_cpu_supports("avx512f"); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("rms_norm", &rms_norm, "w * x / rms(x) over the last dimension", no_gil());
@@ -410,4 +415,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of each sequence's queries over its cache rows", no_gil());
   m.def("attention_input", &attention_input, "a decoder layer's input norm, QKV projection, q/k norms and RoPE", no_gil());
   m.def("attention_output_mlp", &attention_output_mlp, "a decoder layer's output projection, residual, norm and MLP", no_gil());
+  m.def("wide_vectors", &wide_vectors, "whether the CPU has AVX-512F (argmax and paged_attention are for it)");
 }

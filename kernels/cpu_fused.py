@@ -24,7 +24,8 @@ paged_attention puts a sequence's query vectors in the lanes of one AVX-512 regi
 key costs one vector of FMAs for all of them and the softmax runs lane-wise (its exp is Cephes'
 polynomial, ~1 ulp); it is 3-6x faster than the gather and SDPA it replaces (`bench/cpu_ops.py`).
 argmax gives exactly torch.argmax's integers (ties: the first maximum; a NaN counts as the
-maximum). The others agree with their references to float rounding (another summation order), as
+maximum). Both are built for AVX-512 and run fused only where the CPU has it (`wide_vectors`):
+on AVX2 their references are faster. The others agree with their references to float rounding (another summation order), as
 oneDNN's or BLAS's GEMMs agree with F.linear. The two layer ops
 call the other ops and ATen's GEMM, SiLU, product and sum in the layer's own order (projection
 weights stored transposed, as `Linear.pack("blas")` keeps them): bitwise the same results as
@@ -113,6 +114,16 @@ def available() -> bool:
     return kernel_mode() != "torch" and extension() is not None
 
 
+@functools.cache
+def wide_vectors() -> bool:
+    """Whether the CPU has AVX-512F. The argmax and the attention keep 16 floats a vector (a query
+    per lane); built for AVX2, two registers a vector, GCC keeps arrays of them on the stack, and on
+    an AVX2 EPYC they ran 3-4.5x slower than torch's ops (batch 15: the step's attention 37.7 ms
+    against the reference's 9.3; argmax of [16, 2048] 119 us against 36). So only with AVX-512 do
+    those two run fused; the others (plain loops and BLAS calls) run fused everywhere."""
+    return available() and extension().wide_vectors()
+
+
 def takes(x: torch.Tensor) -> bool:
     """The op's main input decides; the others are its weights and tables, of the same dtype and
     device (the extension refuses anything else by name)."""
@@ -198,7 +209,7 @@ def qk_norm_rope(qkv: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: tor
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] -> [...]: torch.argmax(x, -1), the same integers (greedy tokens, acceptance)."""
-    if takes(x):
+    if takes(x) and wide_vectors():
         return extension().argmax(x)
     return x.argmax(-1)
 
@@ -208,8 +219,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, ke
     """q [B, Q, H, D], cache [R, 2, Hkv, D], rows and key_pos [B, S] int64 (the rows' positions, -1
     where not readable), q_pos [B, Q] int64 (-1: padding) -> [B, Q, H, D]: each sequence's queries
     over its cache rows, each seeing the keys `attention.visible` allows (no mask is built)."""
-    if takes(cache) and q.dtype == torch.float32 and q.shape[-1] in (64, 128) and q.stride(-1) == 1 and \
-            rows.is_contiguous() and key_pos.is_contiguous() and q_pos.is_contiguous():
+    if takes(cache) and wide_vectors() and q.dtype == torch.float32 and q.shape[-1] in (64, 128) and \
+            q.stride(-1) == 1 and rows.is_contiguous() and key_pos.is_contiguous() and q_pos.is_contiguous():
         return extension().paged_attention(q, cache, rows, key_pos, q_pos, window or 0)
     return paged_attention_reference(q, cache, rows, key_pos, q_pos, window)
 

@@ -202,6 +202,7 @@ def test_the_engine_picks_greedy_tokens_and_accepts_drafts_with_the_fused_argmax
     prompts = [list(range(5, 40)), list(range(100, 107))]
     calls = []
     monkeypatch.setattr(cpu_fused, "extension", lambda: _Counting(ext, calls))
+    monkeypatch.setattr(cpu_fused, "wide_vectors", lambda: True)  # the fused argmax and attention, on any CPU
     cpu_fused.available.cache_clear()
     try:
         fused = [s.output for s in engine.generate(prompts, 12)]
@@ -212,6 +213,21 @@ def test_the_engine_picks_greedy_tokens_and_accepts_drafts_with_the_fused_argmax
     assert fused == reference and all(len(out) == 12 for out in fused)
     assert calls.count("argmax") >= 1 + 3 + 1  # prefill; a step's 3 drafts and its verify
     assert calls.count("paged_attention") >= model.cfg.num_hidden_layers + 3  # a verify's layers, 3 drafts
+
+
+def test_the_argmax_and_the_attention_run_fused_only_with_avx512(ext, monkeypatch):
+    """Their 16-float vectors are one AVX-512 register; elsewhere the references run (faster)."""
+    assert cpu_fused.wide_vectors() == ext.wide_vectors()
+    x = torch.randn(3, 40)
+    case = _attention_case(1, 2, 4, 2, 64, 9, None)
+    for wide in (True, False):
+        calls = []
+        monkeypatch.setattr(cpu_fused, "extension", lambda: _Counting(ext, calls))
+        monkeypatch.setattr(cpu_fused, "wide_vectors", lambda: wide)
+        with torch.inference_mode():
+            assert torch.equal(cpu_fused.argmax(x), x.argmax(-1))
+            assert close(cpu_fused.paged_attention(*case), cpu_fused.paged_attention_reference(*case))
+        assert ("argmax" in calls, "paged_attention" in calls) == (wide, wide)
 
 
 class _Counting:
