@@ -68,52 +68,72 @@ int64_t argmax_row(const float* row, int64_t V) {
   return first;
 }
 
-// 64-byte aligned scratch of n vectors (std::vector's allocator need not align over-aligned types)
+// Vectors of N float lanes (16: one AVX-512 register; 8: one AVX2 register)
+template <int N>
+struct Lanes {
+  typedef float floats __attribute__((vector_size(4 * N)));
+  typedef int32_t ints __attribute__((vector_size(4 * N)));
+};
+
+// 64-byte aligned scratch of n vectors of N lanes (std::vector's allocator need not align
+// over-aligned types)
+template <int N>
 struct Vectors {
-  explicit Vectors(int64_t n) : data(static_cast<floats16*>(std::aligned_alloc(64, std::max<int64_t>(n, 1) * 64))) {}
+  using floats = typename Lanes<N>::floats;
+  explicit Vectors(int64_t n)
+      : data(static_cast<floats*>(std::aligned_alloc(64, (std::max<int64_t>(n, 1) * sizeof(floats) + 63) / 64 * 64))) {}
   ~Vectors() { std::free(data); }
-  floats16* data;
+  floats* data;
 };
 constexpr float NINF = -std::numeric_limits<float>::infinity();
 
-// exp(x) for 16 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r; ~1 ulp)
-__attribute__((always_inline)) inline floats16 exp16(floats16 x) {
-  const floats16 lo = x < -87.3f ? (floats16){} - 87.3f : x;  // exp(-87.3) ~ 1e-38: the normal floor
-  const floats16 t = lo * 1.44269504088896341f;
-  const ints16 n = __builtin_convertvector(t + (t < 0 ? -0.5f : 0.5f), ints16);  // round half away
-  const floats16 nf = __builtin_convertvector(n, floats16);
-  const floats16 r = lo - nf * 0.693359375f + nf * 2.12194440e-4f;
-  floats16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+// exp(x) lane-wise (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r; ~1 ulp)
+template <int N>
+__attribute__((always_inline)) inline typename Lanes<N>::floats exp_lanes(typename Lanes<N>::floats x) {
+  using floats = typename Lanes<N>::floats;
+  using ints = typename Lanes<N>::ints;
+  const floats lo = x < -87.3f ? (floats){} - 87.3f : x;  // exp(-87.3) ~ 1e-38: the normal floor
+  const floats t = lo * 1.44269504088896341f;
+  const ints n = __builtin_convertvector(t + (t < 0 ? -0.5f : 0.5f), ints);  // round half away
+  const floats nf = __builtin_convertvector(n, floats);
+  const floats r = lo - nf * 0.693359375f + nf * 2.12194440e-4f;
+  floats p = 1.9875691500e-4f * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  return p * (floats16)((n + 127) << 23);
+  return p * (floats)((n + 127) << 23);
 }
 
-// Attention of up to 16 query vectors (lanes) of one sequence and KV head over the S rows it may
-// read, D = 16 * DC. Lanes hold queries, so a key's scores for all of them are one vector of FMAs
+// Attention of up to N query vectors (lanes) of one sequence and KV head over the S rows it may
+// read, head_dim D. Lanes hold queries, so a key's scores for all of them are one vector of FMAs
 // (no horizontal sums), and the softmax runs lane-wise. qt [D] vectors: the queries transposed
 // and scaled (lane l: query l); kv + rows[j] * kv_row: key j (its value v_off further on), at
 // position key_pos[j]; lane l sees the keys whose positions lie in [bounds[0][l], bounds[1][l]]
 // (a query's window; a padded query's bounds take in every key); probs [S] vectors of scratch;
 // seen [S + 4] bytes of scratch; out[l]: lane l's output row.
-template <int DC>
-__attribute__((always_inline)) inline void attend_lanes(const floats16* qt, const float* kv, int64_t kv_row,
-                                                        int64_t v_off, const int64_t* rows, const int64_t* key_pos,
-                                                        const floats16* bounds, int64_t S, floats16* probs,
-                                                        uint8_t* seen, int lanes, float* const* out) {
-  constexpr int D = DC * 16;
-  const floats16 lo = bounds[0], hi = bounds[1];
+// Values are accumulated QB lanes x CB vectors (of the row's D / N) per pass; QB * CB and the
+// scores' 8 accumulators must stay in registers (32 of AVX-512's, 16 of AVX2's). With N = 16 built
+// for AVX2 (two registers a vector) GCC kept them on the stack: 3-4.5x slower than the reference.
+template <int N, int D, int QB, int CB>
+__attribute__((always_inline)) inline void attend_lanes(const typename Lanes<N>::floats* qt, const float* kv,
+                                                        int64_t kv_row, int64_t v_off, const int64_t* rows,
+                                                        const int64_t* key_pos, const typename Lanes<N>::floats* bounds,
+                                                        int64_t S, typename Lanes<N>::floats* probs, uint8_t* seen,
+                                                        int lanes, float* const* out) {
+  using floats = typename Lanes<N>::floats;
+  constexpr int DC = D / N;  // vectors per value row
+  static_assert(DC % CB == 0, "value vectors per pass must divide the row's");
+  const floats lo = bounds[0], hi = bounds[1];
   // The extremes over the lanes, read from memory: indexing lo's or hi's lanes makes GCC split them
   // into scalars, and the vector compares below then run one lane at a time.
   const float* lanes_lo = reinterpret_cast<const float*>(bounds);
-  const float* lanes_hi = lanes_lo + 16;
-  const float lowest = *std::min_element(lanes_lo, lanes_lo + 16);
-  const float highest = *std::max_element(lanes_hi, lanes_hi + 16);
-  const floats16 ninf = (floats16){} + NINF;
-  floats16 top = ninf;
+  const float* lanes_hi = lanes_lo + N;
+  const float lowest = *std::min_element(lanes_lo, lanes_lo + N);
+  const float highest = *std::max_element(lanes_hi, lanes_hi + N);
+  const floats ninf = (floats){} + NINF;
+  floats top = ninf;
   for (int64_t j = 0; j < S; j += 4) {  // scores, four keys at a time: probs[j] lane l = q_l . k_j, or -inf unseen
     const int n = static_cast<int>(std::min<int64_t>(4, S - j));
     float pos[4];  // exact: positions are far below 2^24
@@ -136,72 +156,86 @@ __attribute__((always_inline)) inline void attend_lanes(const floats16* qt, cons
         for (int c = 0; c < D; c += 16) __builtin_prefetch(ahead + c);
       }
     }
-    floats16 even[4] = {}, odd[4] = {};  // two chains per key: an FMA's latency, not its throughput, bounds one
+    floats even[4] = {}, odd[4] = {};  // two chains per key: an FMA's latency, not its throughput, bounds one
     for (int d = 0; d < D; d += 2) {
-      const floats16 q0 = qt[d], q1 = qt[d + 1];
+      const floats q0 = qt[d], q1 = qt[d + 1];
       for (int i = 0; i < 4; ++i) {
         even[i] += k[i][d] * q0;
         odd[i] += k[i][d + 1] * q1;
       }
     }
     for (int i = 0; i < n; ++i) {
-      const floats16 below = lo - pos[i], above = pos[i] - hi;  // both <= 0: the lane sees the key
-      const floats16 outside = below > above ? below : above;
-      const floats16 s = outside > 0.f ? ninf : even[i] + odd[i];
+      const floats below = lo - pos[i], above = pos[i] - hi;  // both <= 0: the lane sees the key
+      const floats outside = below > above ? below : above;
+      const floats s = outside > 0.f ? ninf : even[i] + odd[i];
       probs[j + i] = s;
       top = s > top ? s : top;
     }
   }
-  floats16 total = {};
+  floats total = {};
   for (int64_t j = 0; j < S; ++j) {
-    const floats16 s = probs[j];
-    const floats16 p = s == NINF ? (floats16){} : exp16(s - top);
+    const floats s = probs[j];
+    const floats p = s == NINF ? (floats){} : exp_lanes<N>(s - top);
     probs[j] = p;
     total += p;
   }
-  const float* lane_probs = reinterpret_cast<const float*>(probs);  // key j, lane l: lane_probs[16 j + l]
-  constexpr int QB = DC == 4 ? 6 : 3;  // lanes per pass: QB * DC accumulators stay in registers
+  const float* lane_probs = reinterpret_cast<const float*>(probs);  // key j, lane l: lane_probs[N j + l]
   for (int l0 = 0; l0 < lanes; l0 += QB) {
-    floats16 acc[QB][DC] = {};
-    for (int64_t j = 0; j < S; ++j) {
-      if (j + 8 < S) {  // the values eight keys ahead, likewise
-        const float* ahead = kv + rows[j + 8] * kv_row + v_off;
-        for (int c = 0; c < D; c += 16) __builtin_prefetch(ahead + c);
+    for (int c0 = 0; c0 < DC; c0 += CB) {  // lanes l0.. and value vectors c0.. per pass
+      floats acc[QB][CB] = {};
+      for (int64_t j = 0; j < S; ++j) {
+        if (j + 8 < S) {  // the values eight keys ahead, likewise
+          const float* ahead = kv + rows[j + 8] * kv_row + v_off + c0 * N;
+          for (int c = 0; c < CB * N; c += 16) __builtin_prefetch(ahead + c);
+        }
+        if (!seen[j]) continue;
+        const float* v = kv + rows[j] * kv_row + v_off + c0 * N;
+        const float* p = lane_probs + j * N;
+        for (int c = 0; c < CB; ++c) {  // one value vector at a time: an array of them would go through the stack
+          floats vc;
+          std::memcpy(&vc, v + c * N, sizeof vc);
+          for (int l = 0; l < QB; ++l) acc[l][c] += p[(l0 + l) & (N - 1)] * vc;
+        }
       }
-      if (!seen[j]) continue;
-      const float* v = kv + rows[j] * kv_row + v_off;
-      const float* p = lane_probs + j * 16;
-      for (int c = 0; c < DC; ++c) {  // one value vector at a time: an array of them would go through the stack
-        floats16 vc;
-        std::memcpy(&vc, v + c * 16, sizeof vc);
-        for (int l = 0; l < QB; ++l) acc[l][c] += p[(l0 + l) & 15] * vc;
-      }
-    }
-    for (int l = 0; l < QB && l0 + l < lanes; ++l) {
-      const float inv = 1.f / total[l0 + l];
-      for (int c = 0; c < DC; ++c) {
-        const floats16 o = acc[l][c] * inv;
-        std::memcpy(out[l0 + l] + c * 16, &o, sizeof o);
+      for (int l = 0; l < QB && l0 + l < lanes; ++l) {
+        const float inv = 1.f / total[l0 + l];
+        for (int c = 0; c < CB; ++c) {
+          const floats o = acc[l][c] * inv;
+          std::memcpy(out[l0 + l] + (c0 + c) * N, &o, sizeof o);
+        }
       }
     }
   }
 }
 
-// One plain function per head_dim: target_clones clones functions, not templates. Vectors go in
-// and out by pointer: each clone would pass a 64-byte vector argument its own way (the ABI differs
-// between the AVX-512 clone and the caller).
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void attend_lanes64(const floats16* qt, const float* kv, int64_t kv_row, int64_t v_off, const int64_t* rows,
-                    const int64_t* key_pos, const floats16* bounds, int64_t S, floats16* probs, uint8_t* seen,
-                    int lanes, float* const* out) {
-  attend_lanes<4>(qt, kv, kv_row, v_off, rows, key_pos, bounds, S, probs, seen, lanes, out);
-}
+// One plain function per instruction set and head_dim, each with its lane width and blocking.
+// Vectors go in and out by pointer: each would pass a vector argument its own way (the ABI
+// differs between the AVX-512 build and the caller).
+template <int N>
+using AttendFn = void (*)(const typename Lanes<N>::floats*, const float*, int64_t, int64_t, const int64_t*,
+                          const int64_t*, const typename Lanes<N>::floats*, int64_t, typename Lanes<N>::floats*,
+                          uint8_t*, int, float* const*);
+#define ATTEND(NAME, TARGET, N, D, QB, CB)                                                                   \
+  __attribute__((target(TARGET))) void NAME(const Lanes<N>::floats* qt, const float* kv, int64_t kv_row,      \
+                                            int64_t v_off, const int64_t* rows, const int64_t* key_pos,       \
+                                            const Lanes<N>::floats* bounds, int64_t S, Lanes<N>::floats* probs, \
+                                            uint8_t* seen, int lanes, float* const* out) {                    \
+    attend_lanes<N, D, QB, CB>(qt, kv, kv_row, v_off, rows, key_pos, bounds, S, probs, seen, lanes, out);     \
+  }
+// AVX-512, 16 lanes: 8 score and 24 value accumulators of 32 registers
+ATTEND(attend64_avx512, "avx512f", 16, 64, 6, 4)
+ATTEND(attend128_avx512, "avx512f", 16, 128, 3, 8)
+// AVX2 with FMA, 8 lanes: 8 score and 8 value accumulators of 16 registers
+ATTEND(attend64_avx2, "avx2,fma", 8, 64, 2, 4)
+ATTEND(attend128_avx2, "avx2,fma", 8, 128, 2, 4)
+#undef ATTEND
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void attend_lanes128(const floats16* qt, const float* kv, int64_t kv_row, int64_t v_off, const int64_t* rows,
-                     const int64_t* key_pos, const floats16* bounds, int64_t S, floats16* probs, uint8_t* seen,
-                     int lanes, float* const* out) {
-  attend_lanes<8>(qt, kv, kv_row, v_off, rows, key_pos, bounds, S, probs, seen, lanes, out);
+// Which kernels this CPU runs: 16 lanes with AVX-512F, 8 with AVX2 and FMA, none otherwise
+// (`paged_attention` is then not called: cpu_fused.py runs the reference).
+int attention_lanes() {
+  static const int lanes = __builtin_cpu_supports("avx512f") ? 16
+                           : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 8 : 0;
+  return lanes;
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -298,6 +332,48 @@ torch::Tensor argmax(const torch::Tensor& x) {
   return out;
 }
 
+// One paged_attention call's operands, for `attend_tiles`.
+struct Tiles {
+  const float* q;
+  int64_t qs0, qs1, qs2;  // q's strides (its rows are contiguous)
+  const float* cache;
+  const int64_t *rows, *key_pos, *q_pos;
+  float* out;
+  int64_t B, Q, H, Hkv, D, S, window;
+};
+
+// Every (sequence, KV head, tile of N of its Q x G queries) through `attend`, N queries in the lanes.
+template <int N>
+void attend_tiles(const Tiles& a, AttendFn<N> attend) {
+  using floats = typename Lanes<N>::floats;
+  const int64_t G = a.H / a.Hkv, QG = a.Q * G, D = a.D, S = a.S, tiles = (QG + N - 1) / N;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, a.B * a.Hkv * tiles, 1, [&](int64_t lo, int64_t hi) {
+    Vectors<N> qt_(D), probs_(S), bounds_(2);
+    floats *qt = qt_.data, *probs = probs_.data;
+    floats* bounds = bounds_.data;  // [0]: each lane's lowest visible position, [1]: its highest
+    float* qt_lanes = reinterpret_cast<float*>(qt);
+    float* outs[N];
+    std::vector<uint8_t> seen(S + 4);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / (a.Hkv * tiles), g = t / tiles % a.Hkv, first = t % tiles * N;
+      const int lanes = static_cast<int>(std::min<int64_t>(N, QG - first));
+      // lanes past the tile's queries repeat its first (their output is dropped)
+      for (int l = 0; l < N; ++l) {
+        const int64_t i = first + (l < lanes ? l : 0), qi = i / G, h = g * G + i % G, p = a.q_pos[b * a.Q + qi];
+        const float* qv = a.q + b * a.qs0 + qi * a.qs1 + h * a.qs2;
+        for (int64_t d = 0; d < D; ++d) qt_lanes[d * N + l] = qv[d] * scale;
+        const bool padded = p < 0;
+        bounds[0][l] = padded ? NINF : static_cast<float>(std::max<int64_t>(0, a.window ? p - a.window + 1 : 0));
+        bounds[1][l] = padded ? -NINF : static_cast<float>(p);
+        outs[l] = a.out + ((b * a.Q + qi) * a.H + h) * D;
+      }
+      attend(qt, a.cache + g * D, 2 * a.Hkv * D, a.Hkv * D, a.rows + b * S, a.key_pos + b * S, bounds, S, probs,
+             seen.data(), lanes, outs);
+    }
+  });
+}
+
 // q [B, Q, H, D] (rows of D contiguous), cache [rows, 2, Hkv, D] (K, V), read_rows [B, S] int64,
 // key_pos [B, S] int64 (the rows' positions, -1 where not readable), q_pos [B, Q] int64 (-1: padding),
 // window (0: none) -> [B, Q, H, D]: softmax(q k^T / sqrt(D)) v over the keys each query sees (a
@@ -324,36 +400,15 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& cache
   const int64_t cache_rows = cache.size(0);
   TORCH_CHECK(std::all_of(rp, rp + B * S, [&](int64_t r) { return 0 <= r && r < cache_rows; }),
               "read_rows: a row outside the cache");
+  const int N = attention_lanes();
+  TORCH_CHECK(N, "paged_attention needs AVX2 with FMA or AVX-512F (cpu_fused.py runs the reference elsewhere)");
   auto out = torch::empty({B, Q, H, D}, q.options());
-  const float *qp = q.data_ptr<float>(), *cp = cache.data_ptr<float>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
-  float* op = out.data_ptr<float>();
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const int64_t tiles = (QG + 15) / 16;
-  at::parallel_for(0, B * Hkv * tiles, 1, [&](int64_t lo, int64_t hi) {
-    Vectors qt_(D), probs_(S), bounds_(2);
-    floats16 *qt = qt_.data, *probs = probs_.data;
-    floats16* bounds = bounds_.data;  // [0]: each lane's lowest visible position, [1]: its highest
-    float* qt_lanes = reinterpret_cast<float*>(qt);
-    float* outs[16];
-    std::vector<uint8_t> seen(S + 4);
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t b = t / (Hkv * tiles), g = t / tiles % Hkv, first = t % tiles * 16;
-      const int lanes = static_cast<int>(std::min<int64_t>(16, QG - first));
-      // lanes past the tile's queries repeat its first (their output is dropped)
-      for (int l = 0; l < 16; ++l) {
-        const int64_t i = first + (l < lanes ? l : 0), qi = i / G, h = g * G + i % G, p = pp[b * Q + qi];
-        const float* qv = qp + b * qs0 + qi * qs1 + h * qs2;
-        for (int64_t d = 0; d < D; ++d) qt_lanes[d * 16 + l] = qv[d] * scale;
-        const bool padded = p < 0;
-        bounds[0][l] = padded ? NINF : static_cast<float>(std::max<int64_t>(0, window ? p - window + 1 : 0));
-        bounds[1][l] = padded ? -NINF : static_cast<float>(p);
-        outs[l] = op + ((b * Q + qi) * H + h) * D;
-      }
-      (D == 64 ? attend_lanes64 : attend_lanes128)(qt, cp + g * D, 2 * Hkv * D, Hkv * D, rp + b * S, kp + b * S,
-                                                   bounds, S, probs, seen.data(), lanes, outs);
-    }
-  });
+  const Tiles tiles{q.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2), cache.data_ptr<float>(), rp, kp, pp,
+                    out.data_ptr<float>(), B, Q, H, Hkv, D, S, window};
+  if (N == 16)
+    attend_tiles<16>(tiles, D == 64 ? attend64_avx512 : attend128_avx512);
+  else
+    attend_tiles<8>(tiles, D == 64 ? attend64_avx2 : attend128_avx2);
   return out;
 }
 
@@ -401,9 +456,9 @@ torch::Tensor attention_output_mlp(const torch::Tensor& x, const torch::Tensor& 
 
 // Each op runs without the GIL (it touches no Python object): the service's event loop thread
 // answers, streams and receives while the engine thread is inside a layer.
-// Whether this CPU holds the argmax's and the attention's 16-float vectors in one register
-// (AVX-512F). Built for AVX2, GCC keeps arrays of them on the stack: both ran 3-4.5x slower than
-// torch's ops there (kernels/cpu_fused.py `wide_vectors`).
+// Whether this CPU holds the argmax's 16-float vectors in one register (AVX-512F). Built for AVX2,
+// GCC keeps its vectors on the stack, and it ran 3.4x slower than torch.argmax there
+// (kernels/cpu_fused.py `wide_vectors`).
 bool wide_vectors() { return __builtin_cpu_supports("avx512f"); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -415,5 +470,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of each sequence's queries over its cache rows", no_gil());
   m.def("attention_input", &attention_input, "a decoder layer's input norm, QKV projection, q/k norms and RoPE", no_gil());
   m.def("attention_output_mlp", &attention_output_mlp, "a decoder layer's output projection, residual, norm and MLP", no_gil());
-  m.def("wide_vectors", &wide_vectors, "whether the CPU has AVX-512F (argmax and paged_attention are for it)");
+  m.def("wide_vectors", &wide_vectors, "whether the CPU has AVX-512F (argmax is built for it)");
+  m.def("attention_lanes", &attention_lanes, "queries per vector in paged_attention on this CPU (0: it does not run)");
 }

@@ -20,12 +20,13 @@ arithmetic in one call each (~2-4 us), on contiguous float32 CPU tensors:
     attention_output_mlp(x, attention, ...) the rest: output projection, residual, norm, SwiGLU
                                            MLP, residual -> [T, d]
 
-paged_attention puts a sequence's query vectors in the lanes of one AVX-512 register, so each
+paged_attention puts a sequence's query vectors in the lanes of one AVX-512 register (or AVX2's), so each
 key costs one vector of FMAs for all of them and the softmax runs lane-wise (its exp is Cephes'
 polynomial, ~1 ulp); it is 3-6x faster than the gather and SDPA it replaces (`bench/cpu_ops.py`).
 argmax gives exactly torch.argmax's integers (ties: the first maximum; a NaN counts as the
-maximum). Both are built for AVX-512 and run fused only where the CPU has it (`wide_vectors`):
-on AVX2 their references are faster. The others agree with their references to float rounding (another summation order), as
+maximum); it is built for AVX-512 and runs fused only where the CPU has it (`wide_vectors`), as
+torch.argmax is faster on AVX2. paged_attention has an 8-lane build for AVX2 with FMA
+(`attention_lanes`). The others agree with their references to float rounding (another summation order), as
 oneDNN's or BLAS's GEMMs agree with F.linear. The two layer ops
 call the other ops and ATen's GEMM, SiLU, product and sum in the layer's own order (projection
 weights stored transposed, as `Linear.pack("blas")` keeps them): bitwise the same results as
@@ -116,12 +117,19 @@ def available() -> bool:
 
 @functools.cache
 def wide_vectors() -> bool:
-    """Whether the CPU has AVX-512F. The argmax and the attention keep 16 floats a vector (a query
-    per lane); built for AVX2, two registers a vector, GCC keeps arrays of them on the stack, and on
-    an AVX2 EPYC they ran 3-4.5x slower than torch's ops (batch 15: the step's attention 37.7 ms
-    against the reference's 9.3; argmax of [16, 2048] 119 us against 36). So only with AVX-512 do
-    those two run fused; the others (plain loops and BLAS calls) run fused everywhere."""
+    """Whether the CPU has AVX-512F, which the argmax's 16-float vectors are built for. Built for
+    AVX2 (two registers a vector) GCC keeps them on the stack: on an AVX2 EPYC the argmax of
+    [16, 2048] took 119 us against torch.argmax's 36, so elsewhere torch.argmax runs."""
     return available() and extension().wide_vectors()
+
+
+@functools.cache
+def attention_lanes() -> int:
+    """Queries per vector in the fused attention on this CPU: 16 with AVX-512F, 8 with AVX2 and FMA,
+    0 (the reference runs) otherwise. (Its 16-lane kernel built for AVX2 spilled every accumulator:
+    batch 15's attention 37.7 ms a step against the reference's 9.3; the 8-lane one is faster than
+    the reference.)"""
+    return extension().attention_lanes() if available() else 0
 
 
 def takes(x: torch.Tensor) -> bool:
@@ -219,7 +227,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, ke
     """q [B, Q, H, D], cache [R, 2, Hkv, D], rows and key_pos [B, S] int64 (the rows' positions, -1
     where not readable), q_pos [B, Q] int64 (-1: padding) -> [B, Q, H, D]: each sequence's queries
     over its cache rows, each seeing the keys `attention.visible` allows (no mask is built)."""
-    if takes(cache) and wide_vectors() and q.dtype == torch.float32 and q.shape[-1] in (64, 128) and \
+    if takes(cache) and attention_lanes() and q.dtype == torch.float32 and q.shape[-1] in (64, 128) and \
             q.stride(-1) == 1 and rows.is_contiguous() and key_pos.is_contiguous() and q_pos.is_contiguous():
         return extension().paged_attention(q, cache, rows, key_pos, q_pos, window or 0)
     return paged_attention_reference(q, cache, rows, key_pos, q_pos, window)

@@ -21,6 +21,14 @@ def ext():
     return cpu_fused.extension()
 
 
+@pytest.fixture(scope="module")
+def attention_ext(ext):
+    """The extension, where its paged_attention runs on this CPU (AVX2 with FMA, or AVX-512F)."""
+    if not ext.attention_lanes():
+        pytest.skip("this CPU has neither AVX2 with FMA nor AVX-512F: the attention's reference runs")
+    return ext
+
+
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -102,36 +110,37 @@ def _attention_case(B: int, Q: int, H: int, Hkv: int, D: int, S: int, window: in
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("B,Q,H,Hkv,D,S", [(1, 1, 4, 2, 64, 1), (3, 1, 4, 2, 64, 70), (16, 6, 4, 2, 64, 330),
                                            (2, 4, 8, 2, 128, 37), (5, 9, 4, 4, 64, 23), (2, 20, 4, 2, 64, 150)])
-def test_paged_attention_matches_attention_over_the_gathered_rows(ext, B, Q, H, Hkv, D, S, window):
+def test_paged_attention_matches_attention_over_the_gathered_rows(attention_ext, B, Q, H, Hkv, D, S, window):
     """Every shape the decode step uses (one query per sequence, a k = 5 verify, head_dim 128, no
-    GQA) and more queries than one register holds (Q * H / Hkv > 16); full and windowed layers."""
+    GQA) and more queries than one vector holds (Q * H / Hkv > 16, or > 8 in AVX2's 8 lanes); full and
+    windowed layers."""
     case = _attention_case(B, Q, H, Hkv, D, S, window)
-    out = ext.paged_attention(*case[:5], window or 0)
+    out = attention_ext.paged_attention(*case[:5], window or 0)
     assert close(out, cpu_fused.paged_attention_reference(*case))
 
 
-def test_paged_attention_reads_strided_queries_and_a_cache_view(ext):
+def test_paged_attention_reads_strided_queries_and_a_cache_view(attention_ext):
     """The layer's q is a slice of its fused q/k tensor, and its cache a view from the layer's first
     row on (KVStore.kv_rows)."""
     q, cache, rows, key_pos, q_pos, _ = _attention_case(4, 6, 4, 2, 64, 40)
     qk = torch.cat((q, torch.randn(4, 6, 2, 64)), 2)  # [B, Q, H + Hkv, D]
     view = torch.cat((torch.randn(7, 2, 2, 64), cache))[7:]
-    assert close(ext.paged_attention(qk[:, :, :4], view, rows, key_pos, q_pos, 5),
+    assert close(attention_ext.paged_attention(qk[:, :, :4], view, rows, key_pos, q_pos, 5),
                  cpu_fused.paged_attention_reference(q, cache, rows, key_pos, q_pos, 5))
 
 
-def test_paged_attention_refuses_rows_outside_the_cache_and_shapes_it_does_not_take(ext):
+def test_paged_attention_refuses_rows_outside_the_cache_and_shapes_it_does_not_take(attention_ext):
     q, cache, rows, key_pos, q_pos, _ = _attention_case(2, 1, 4, 2, 64, 8)
     with pytest.raises(RuntimeError, match="a row outside the cache"):
-        ext.paged_attention(q, cache, torch.where(rows == rows[1, 3], cache.shape[0], rows), key_pos, q_pos, 0)
+        attention_ext.paged_attention(q, cache, torch.where(rows == rows[1, 3], cache.shape[0], rows), key_pos, q_pos, 0)
     with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
-        ext.paged_attention(q[..., :32].contiguous(), cache[..., :32].contiguous(), rows, key_pos, q_pos, 0)
+        attention_ext.paged_attention(q[..., :32].contiguous(), cache[..., :32].contiguous(), rows, key_pos, q_pos, 0)
     with pytest.raises(RuntimeError, match="key_pos: expected"):
-        ext.paged_attention(q, cache, rows, key_pos[:, :4].contiguous(), q_pos, 0)
+        attention_ext.paged_attention(q, cache, rows, key_pos[:, :4].contiguous(), q_pos, 0)
     with pytest.raises(RuntimeError, match="q_pos: expected"):
-        ext.paged_attention(q, cache, rows, key_pos, q_pos.int(), 0)
+        attention_ext.paged_attention(q, cache, rows, key_pos, q_pos.int(), 0)
     with pytest.raises(RuntimeError, match="window: expected"):
-        ext.paged_attention(q, cache, rows, key_pos, q_pos, -1)
+        attention_ext.paged_attention(q, cache, rows, key_pos, q_pos, -1)
     with torch.inference_mode():  # the dispatch point sends a head_dim it has no kernel for to the reference
         odd = (q[..., :32].contiguous(), cache[..., :32].contiguous(), rows, key_pos, q_pos, None)
         assert torch.equal(cpu_fused.paged_attention(*odd), cpu_fused.paged_attention_reference(*odd))
@@ -190,7 +199,7 @@ def test_the_model_runs_the_fused_ops_when_they_are_built(ext, monkeypatch, proj
     assert calls.count("rms_norm") == layers + 1  # each layer's input norm, then the final norm
 
 
-def test_the_engine_picks_greedy_tokens_and_accepts_drafts_with_the_fused_argmax_and_attention(ext, monkeypatch):
+def test_the_engine_picks_greedy_tokens_and_accepts_drafts_with_the_fused_argmax_and_attention(attention_ext, monkeypatch):
     """Prefill's first token, each draft and each verify: the extension's argmax, and decode's
     attention the extension's paged_attention; the reply is the one torch.argmax and SDPA over the
     gathered rows give (BATON_KERNELS=torch would run those)."""
@@ -201,8 +210,8 @@ def test_the_engine_picks_greedy_tokens_and_accepts_drafts_with_the_fused_argmax
     engine = LocalEngine(model, SpecConfig(draft_tokens=3))
     prompts = [list(range(5, 40)), list(range(100, 107))]
     calls = []
-    monkeypatch.setattr(cpu_fused, "extension", lambda: _Counting(ext, calls))
-    monkeypatch.setattr(cpu_fused, "wide_vectors", lambda: True)  # the fused argmax and attention, on any CPU
+    monkeypatch.setattr(cpu_fused, "extension", lambda: _Counting(attention_ext, calls))
+    monkeypatch.setattr(cpu_fused, "wide_vectors", lambda: True)  # the fused argmax, on any CPU
     cpu_fused.available.cache_clear()
     try:
         fused = [s.output for s in engine.generate(prompts, 12)]
@@ -215,19 +224,22 @@ def test_the_engine_picks_greedy_tokens_and_accepts_drafts_with_the_fused_argmax
     assert calls.count("paged_attention") >= model.cfg.num_hidden_layers + 3  # a verify's layers, 3 drafts
 
 
-def test_the_argmax_and_the_attention_run_fused_only_with_avx512(ext, monkeypatch):
-    """Their 16-float vectors are one AVX-512 register; elsewhere the references run (faster)."""
+def test_the_argmax_runs_fused_only_with_avx512_and_the_attention_with_avx2_or_avx512(ext, monkeypatch):
+    """The argmax's 16-float vectors are one AVX-512 register; the attention has a 16-lane build
+    for AVX-512 and an 8-lane one for AVX2 with FMA. Elsewhere the references run."""
     assert cpu_fused.wide_vectors() == ext.wide_vectors()
+    assert cpu_fused.attention_lanes() == ext.attention_lanes() in ((16,) if ext.wide_vectors() else (8, 0))
     x = torch.randn(3, 40)
     case = _attention_case(1, 2, 4, 2, 64, 9, None)
-    for wide in (True, False):
+    for wide, lanes in ((True, ext.attention_lanes()), (False, 0)):
         calls = []
         monkeypatch.setattr(cpu_fused, "extension", lambda: _Counting(ext, calls))
         monkeypatch.setattr(cpu_fused, "wide_vectors", lambda: wide)
+        monkeypatch.setattr(cpu_fused, "attention_lanes", lambda: lanes)
         with torch.inference_mode():
             assert torch.equal(cpu_fused.argmax(x), x.argmax(-1))
             assert close(cpu_fused.paged_attention(*case), cpu_fused.paged_attention_reference(*case))
-        assert ("argmax" in calls, "paged_attention" in calls) == (wide, wide)
+        assert ("argmax" in calls, "paged_attention" in calls) == (wide, bool(lanes))
 
 
 class _Counting:
