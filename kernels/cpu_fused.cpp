@@ -29,51 +29,62 @@ inline void rms_row(const float* x, const float* w, float* out, int64_t d, float
   for (int64_t i = 0; i < d; ++i) out[i] = w[i] * (x[i] * r);
 }
 
-typedef float floats16 __attribute__((vector_size(64)));
-typedef int32_t ints16 __attribute__((vector_size(64)));
+// Vectors of N float lanes (16: one AVX-512 register; 8: one AVX2 register; 4: SSE2's)
+template <int N>
+struct Lanes {
+  typedef float floats __attribute__((vector_size(4 * N)));
+  typedef int32_t ints __attribute__((vector_size(4 * N)));
+};
 
-// The first index of the row's maximum, or of its first NaN. One pass keeps 16 running maxima and
+// The first index of the row's maximum, or of its first NaN. One pass keeps N running maxima and
 // their first indices in vectors (compare and select; GCC's vector extensions, as plain loops do
-// not vectorize without -ffast-math), built for AVX-512, AVX2 and baseline x86-64 and picked by
-// the CPU at load (the build itself is generic).
-__attribute__((target_clones("avx512f", "avx2", "default")))
-int64_t argmax_row(const float* row, int64_t V) {
+// not vectorize without -ffast-math), N lanes of one register: a wider vector built for a narrower
+// instruction set goes through the stack (3.4x slower than torch.argmax with 16 lanes on AVX2).
+template <int N>
+__attribute__((always_inline)) inline int64_t argmax_lanes(const float* row, int64_t V) {
+  using floats = typename Lanes<N>::floats;
+  using ints = typename Lanes<N>::ints;
   const auto first_nan = [&] { return std::find_if(row, row + V, [](float v) { return v != v; }) - row; };
   int64_t i = 0, first = 0;
-  if (V >= 16) {
-    floats16 best, v;
-    ints16 at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, index = at, nan = {};
+  if (V >= N) {
+    floats best, v;
+    ints at, index, nan = {};
+    for (int l = 0; l < N; ++l) at[l] = l;
+    index = at;
     std::memcpy(&best, row, sizeof best);
     nan |= best != best;
-    for (i = 16; i + 16 <= V; i += 16) {
+    for (i = N; i + N <= V; i += N) {
       std::memcpy(&v, row + i, sizeof v);
-      index += 16;
-      const ints16 more = v > best;  // strictly: a lane keeps its first maximum
+      index += N;
+      const ints more = v > best;  // strictly: a lane keeps its first maximum
       best = more ? v : best;
       at = more ? index : at;
       nan |= v != v;
     }
     int lane = 0, any_nan = 0;
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < N; ++j) {
       any_nan |= nan[j];
       if (best[j] > best[lane] || (best[j] == best[lane] && at[j] < at[lane])) lane = j;
     }
     if (any_nan) return first_nan();
     first = at[lane];
   }
-  for (; i < V; ++i) {  // the tail (or a row under 16 wide): later indices, so only a larger value wins
+  for (; i < V; ++i) {  // the tail (or a row under N wide): later indices, so only a larger value wins
     if (row[i] != row[i]) return first_nan();
     if (row[i] > row[first]) first = i;
   }
   return first;
 }
+__attribute__((target("avx512f"))) int64_t argmax_avx512(const float* row, int64_t V) { return argmax_lanes<16>(row, V); }
+__attribute__((target("avx2"))) int64_t argmax_avx2(const float* row, int64_t V) { return argmax_lanes<8>(row, V); }
+int64_t argmax_base(const float* row, int64_t V) { return argmax_lanes<4>(row, V); }
 
-// Vectors of N float lanes (16: one AVX-512 register; 8: one AVX2 register)
-template <int N>
-struct Lanes {
-  typedef float floats __attribute__((vector_size(4 * N)));
-  typedef int32_t ints __attribute__((vector_size(4 * N)));
-};
+// The row argmax for this CPU's widest registers
+int64_t argmax_row(const float* row, int64_t V) {
+  static const auto fn = __builtin_cpu_supports("avx512f") ? argmax_avx512
+                         : __builtin_cpu_supports("avx2") ? argmax_avx2 : argmax_base;
+  return fn(row, V);
+}
 
 // 64-byte aligned scratch of n vectors of N lanes (std::vector's allocator need not align
 // over-aligned types)
@@ -456,11 +467,6 @@ torch::Tensor attention_output_mlp(const torch::Tensor& x, const torch::Tensor& 
 
 // Each op runs without the GIL (it touches no Python object): the service's event loop thread
 // answers, streams and receives while the engine thread is inside a layer.
-// Whether this CPU holds the argmax's 16-float vectors in one register (AVX-512F). Built for AVX2,
-// GCC keeps its vectors on the stack, and it ran 3.4x slower than torch.argmax there
-// (kernels/cpu_fused.py `wide_vectors`).
-bool wide_vectors() { return __builtin_cpu_supports("avx512f"); }
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("rms_norm", &rms_norm, "w * x / rms(x) over the last dimension", no_gil());
@@ -470,6 +476,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of each sequence's queries over its cache rows", no_gil());
   m.def("attention_input", &attention_input, "a decoder layer's input norm, QKV projection, q/k norms and RoPE", no_gil());
   m.def("attention_output_mlp", &attention_output_mlp, "a decoder layer's output projection, residual, norm and MLP", no_gil());
-  m.def("wide_vectors", &wide_vectors, "whether the CPU has AVX-512F (argmax is built for it)");
   m.def("attention_lanes", &attention_lanes, "queries per vector in paged_attention on this CPU (0: it does not run)");
 }

@@ -24,9 +24,9 @@ paged_attention puts a sequence's query vectors in the lanes of one AVX-512 regi
 key costs one vector of FMAs for all of them and the softmax runs lane-wise (its exp is Cephes'
 polynomial, ~1 ulp); it is 3-6x faster than the gather and SDPA it replaces (`bench/cpu_ops.py`).
 argmax gives exactly torch.argmax's integers (ties: the first maximum; a NaN counts as the
-maximum); it is built for AVX-512 and runs fused only where the CPU has it (`wide_vectors`), as
-torch.argmax is faster on AVX2. paged_attention has an 8-lane build for AVX2 with FMA
-(`attention_lanes`). The others agree with their references to float rounding (another summation order), as
+maximum). Both keep a lane per row element (argmax) or per query (attention) in one register:
+16 lanes with AVX-512, 8 with AVX2 (`attention_lanes`; the argmax also has a 4-lane SSE2 build),
+picked by the CPU at load. The others agree with their references to float rounding (another summation order), as
 oneDNN's or BLAS's GEMMs agree with F.linear. The two layer ops
 call the other ops and ATen's GEMM, SiLU, product and sum in the layer's own order (projection
 weights stored transposed, as `Linear.pack("blas")` keeps them): bitwise the same results as
@@ -113,14 +113,6 @@ def available() -> bool:
     """Whether the fused ops run in this process: built, and not turned off by BATON_KERNELS=torch
     (read once, at the first call)."""
     return kernel_mode() != "torch" and extension() is not None
-
-
-@functools.cache
-def wide_vectors() -> bool:
-    """Whether the CPU has AVX-512F, which the argmax's 16-float vectors are built for. Built for
-    AVX2 (two registers a vector) GCC keeps them on the stack: on an AVX2 EPYC the argmax of
-    [16, 2048] took 119 us against torch.argmax's 36, so elsewhere torch.argmax runs."""
-    return available() and extension().wide_vectors()
 
 
 @functools.cache
@@ -217,7 +209,7 @@ def qk_norm_rope(qkv: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: tor
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] -> [...]: torch.argmax(x, -1), the same integers (greedy tokens, acceptance)."""
-    if takes(x) and wide_vectors():
+    if takes(x):
         return extension().argmax(x)
     return x.argmax(-1)
 
