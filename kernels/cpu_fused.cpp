@@ -36,6 +36,15 @@ struct Lanes {
   typedef int32_t ints __attribute__((vector_size(4 * N)));
 };
 
+// The widest register this CPU's builds use, in float lanes: 16 with AVX-512F, 8 with AVX2 and FMA,
+// 0 otherwise (the argmax then runs its baseline build, and `paged_attention` is not called:
+// cpu_fused.py runs the reference).
+int attention_lanes() {
+  static const int lanes = __builtin_cpu_supports("avx512f") ? 16
+                           : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 8 : 0;
+  return lanes;
+}
+
 // The first index of the row's maximum, or of its first NaN. One pass keeps N running maxima and
 // their first indices in vectors (compare and select; GCC's vector extensions, as plain loops do
 // not vectorize without -ffast-math), N lanes of one register: a wider vector built for a narrower
@@ -76,13 +85,12 @@ __attribute__((always_inline)) inline int64_t argmax_lanes(const float* row, int
   return first;
 }
 __attribute__((target("avx512f"))) int64_t argmax_avx512(const float* row, int64_t V) { return argmax_lanes<16>(row, V); }
-__attribute__((target("avx2"))) int64_t argmax_avx2(const float* row, int64_t V) { return argmax_lanes<8>(row, V); }
+__attribute__((target("avx2,fma"))) int64_t argmax_avx2(const float* row, int64_t V) { return argmax_lanes<8>(row, V); }
 int64_t argmax_base(const float* row, int64_t V) { return argmax_lanes<4>(row, V); }
 
 // The row argmax for this CPU's widest registers
 int64_t argmax_row(const float* row, int64_t V) {
-  static const auto fn = __builtin_cpu_supports("avx512f") ? argmax_avx512
-                         : __builtin_cpu_supports("avx2") ? argmax_avx2 : argmax_base;
+  static const auto fn = attention_lanes() == 16 ? argmax_avx512 : attention_lanes() == 8 ? argmax_avx2 : argmax_base;
   return fn(row, V);
 }
 
@@ -241,13 +249,6 @@ ATTEND(attend64_avx2, "avx2,fma", 8, 64, 2, 4)
 ATTEND(attend128_avx2, "avx2,fma", 8, 128, 2, 4)
 #undef ATTEND
 
-// Which kernels this CPU runs: 16 lanes with AVX-512F, 8 with AVX2 and FMA, none otherwise
-// (`paged_attention` is then not called: cpu_fused.py runs the reference).
-int attention_lanes() {
-  static const int lanes = __builtin_cpu_supports("avx512f") ? 16
-                           : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 8 : 0;
-  return lanes;
-}
 
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous(),
@@ -400,7 +401,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& cache
   TORCH_CHECK(q.dim() == 4 && cache.dim() == 4 && cache.size(1) == 2 && cache.size(3) == q.size(3),
               "q [B, Q, H, D], cache [rows, 2, Hkv, D]: shapes do not match");
   const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), D = q.size(3);
-  const int64_t Hkv = cache.size(2), G = H / Hkv, S = read_rows.size(1), QG = Q * G;
+  const int64_t Hkv = cache.size(2), S = read_rows.size(1);
   TORCH_CHECK(D == 64 || D == 128, "q: head_dim 64 or 128, got ", D);
   TORCH_CHECK(H % Hkv == 0, "q: ", H, " heads do not share ", Hkv, " KV heads");
   for (auto [t, name, n] : {std::tuple{&read_rows, "read_rows", S}, {&key_pos, "key_pos", S}, {&q_pos, "q_pos", Q}})
