@@ -328,7 +328,7 @@ def test_prefill_tells_decode_as_each_write_starts(cluster, reference):
         async def on_hint(msg) -> None:
             seen.append((msg.subject, decode_message(msg.data, WriteStarting)))
         async with await Bus.connect(cluster.nats_url, "test-hints") as watcher:
-            await watcher.subscribe(subjects.decode_incoming("any").replace(".any.", ".*."), on_hint)
+            await watcher.subscribe(f"{subjects.INTERNAL}.decode.*.incoming", on_hint)  # every decode's
             reply = await generate(cluster.nats_url, token_ids=prompt, max_tokens=24)
             await until(lambda: any(h.request_id.startswith(reply.request_id) for _, h in seen), 10,
                         "a WriteStarting for the request")
