@@ -20,8 +20,8 @@ says a WRITE to us is to come (a receiver holding a reservation), while WRITEs o
 flight, after a call, or while a due WRITE may wait; and every IDLE_PROGRESS_S otherwise. Each
 wake-up takes the GIL from the engine thread: at 1 kHz that cost a decode step ~1.5 ms
 (docs/benchmarks.md, issue 21), at c = 16 polling every 0.1 ms took 5% of decode's CPU, and at
-c = 1 polling every 0.1 ms from reservation to arrival (the whole prefill) took ~2/3 of a core
-from the prefill it waited for (stop 51). Collected notifications go to the sink (`set_sink`);
+c = 1 polling every 0.1 ms from reservation to arrival (the whole prefill) cost decode 17 ms of CPU
+a request, about half a core beside the prefill it waited for (stop 51). Collected notifications go to the sink (`set_sink`);
 (2) checks the state of posted WRITEs (`post`; progresses them), from WATCH_FIRST_S backing off
 to WATCH_MAX_S; once none is in flight it calls their callback, then releases their handles
 (before any call queued after the callback ran: the handles are gone by the time a caller
