@@ -75,7 +75,10 @@ def bench_config(args: argparse.Namespace, url: str, label: str, concurrency: in
 
 
 def worker_args(args: argparse.Namespace, threads: int) -> list[str]:
-    return ["--spec", args.spec, "--draft-tokens", str(args.draft_tokens), "--threads", str(threads)]
+    """Both systems' worker flags. The caches that reuse a prompt across requests are off: every
+    round sends the same prompts, and the aggregated baseline has no such cache."""
+    return ["--spec", args.spec, "--draft-tokens", str(args.draft_tokens), "--threads", str(threads),
+            "--prefix-cache", "0", "--turn-cache", "0"]
 
 
 @contextmanager
