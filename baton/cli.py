@@ -59,9 +59,22 @@ def worker_argv(args) -> list[str]:
     for flag, dotted in WORKER_FLAGS.items():
         value = getattr(args, _dest(flag))
         if dotted == "worker.threads":
-            value = value or shared_host_threads(args.prefill + args.decode)
+            value = engine_threads(args)
         argv += [flag, str(value)]
     return argv
+
+
+def engine_threads(args) -> int:
+    """Torch threads of each engine `baton up` starts: worker.threads, or a share of the cores."""
+    return args.threads or shared_host_threads(args.prefill + args.decode)
+
+
+def up_engine_cpus(args) -> list[str] | None:
+    """Each engine's CPUs for `baton up` (up.engine_cpus auto, worker.cpus not set), else None."""
+    from baton.up import engine_cpus
+    if args.engine_cpus != "auto" or args.cpus:
+        return None
+    return engine_cpus(args.prefill, args.decode, engine_threads(args))
 
 
 def shared_host_threads(engines: int) -> int:
@@ -121,6 +134,9 @@ def parser() -> argparse.ArgumentParser:
                          "clients may only use baton.v1.* and their own reply inboxes)")
     up.add_argument("--http", action="store_true", default=None,
                     help="also start the OpenAI-compatible HTTP frontend (`baton serve http`)")
+    up.add_argument("--engine-cpus", choices=("auto", "none"),
+                    help="auto: each prefill and decode process on cores of its own when there is one for "
+                         "every engine thread (default); none: wherever the OS puts them")
     add_http_options(up)
     add_worker_options(up)
 
@@ -204,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.get(dotted):
                 os.environ[configuration.env_name(dotted)] = cfg.get(dotted)
         from baton.up import run_up
-        return run_up(args, worker_argv(args))
+        return run_up(args, worker_argv(args), up_engine_cpus(args))
     if args.command == "serve":
         from baton.serve import serve
         return serve(args, cfg)

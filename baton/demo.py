@@ -10,7 +10,7 @@ import time
 from baton.proto import subjects
 from baton.proto.public import GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
-from baton.up import start_cluster, wait_ready
+from baton.up import engine_cpus, start_cluster, wait_ready
 
 PROMPTS = ["To be, or not to be, that is the question:", "ROMEO.\nBut soft, what light through yonder window breaks?"]
 
@@ -39,7 +39,7 @@ def demo(args) -> int:
     t0 = time.monotonic()
     ns = argparse.Namespace(model=args.model, prefill=1, decode=1, log_dir=tempfile.mkdtemp(prefix="baton-demo-"))
     worker_args = ["--threads", "1"]
-    cluster = start_cluster(ns, worker_args, auth=True)
+    cluster = start_cluster(ns, worker_args, auth=True, cpus=engine_cpus(1, 1, 1))  # as `baton up` places them
     try:
         asyncio.run(wait_ready(cluster.nats_url, cluster, 1, 1, 180.0))
         print(f"baton ready: {cluster.nats_url} (started in {time.monotonic() - t0:.1f} s; logs in {ns.log_dir})")

@@ -20,6 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 from baton.proto import subjects
 from baton.proto.errors import BatonError
@@ -163,9 +164,23 @@ async def wait_ready(url: str, cluster: Cluster, prefill: int, decode: int, time
         await bus.close()
 
 
-def start_cluster(args, worker_args: list[str], auth: bool = False) -> Cluster:
+def engine_cpus(prefill: int, decode: int, threads: int, cpus: Iterable[int] | None = None) -> list[str] | None:
+    """Each engine process's own CPUs (its `--cpus`), in start order: prefill's, then decode's.
+    Runs of `threads` of this process's CPUs (`cpus`: those instead), prefill's from the lowest
+    and decode's from the highest (decode is the busiest engine; CPU 0 takes most interrupts).
+    None when there is not a CPU for every engine thread: the OS places them then."""
+    available = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if threads < 1 or (prefill + decode) * threads > len(available):
+        return None
+    runs = [available[i * threads:(i + 1) * threads] for i in range(prefill)]
+    runs += [available[len(available) - (i + 1) * threads:len(available) - i * threads] for i in range(decode)]
+    return [",".join(map(str, run)) for run in runs]
+
+
+def start_cluster(args, worker_args: list[str], auth: bool = False, cpus: list[str] | None = None) -> Cluster:
     """The NATS server (unless --nats-url) and every service process; returns at once. With
-    `auth`, the embedded server gets generated users (service, client) and subject permissions."""
+    `auth`, the embedded server gets generated users (service, client) and subject permissions.
+    `cpus`: each engine's CPU list (`engine_cpus`), or None to leave placement to the OS."""
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     server, service, client = None, None, None
@@ -185,10 +200,9 @@ def start_cluster(args, worker_args: list[str], auth: bool = False) -> Cluster:
     cluster = Cluster(url, server=server, log_dir=log_dir, service=service, client=client)
     model = ["--model", str(args.model)]
     cluster.spawn("registry", model, log_dir)
-    for _ in range(args.prefill):
-        cluster.spawn("prefill", model + worker_args, log_dir)
-    for _ in range(args.decode):
-        cluster.spawn("decode", model + worker_args, log_dir)
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    for i, role in enumerate(roles):
+        cluster.spawn(role, model + worker_args + (["--cpus", cpus[i]] if cpus else []), log_dir)
     cluster.spawn("router", model, log_dir)
     if getattr(args, "http", False):  # `baton up --http`: the OpenAI-compatible frontend too
         cluster.spawn("http", model + ["--http-host", str(args.http_host), "--http-port", str(args.http_port)], log_dir)
@@ -213,13 +227,13 @@ def wait_http_ready(cluster: Cluster, host: str, port: int, timeout_s: float) ->
             time.sleep(0.2)
 
 
-def run_up(args, worker_args: list[str]) -> int:
+def run_up(args, worker_args: list[str], cpus: list[str] | None = None) -> int:
     t0 = time.monotonic()
     stop_now: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop_now.append(1))
     cluster = None
     try:
-        cluster = start_cluster(args, worker_args, auth=not getattr(args, "no_auth", False))
+        cluster = start_cluster(args, worker_args, auth=not getattr(args, "no_auth", False), cpus=cpus)
         asyncio.run(wait_ready(cluster.nats_url, cluster, args.prefill, args.decode, args.ready_timeout))
         http = ""
         if getattr(args, "http", False):
@@ -229,7 +243,9 @@ def run_up(args, worker_args: list[str]) -> int:
         STATE_FILE.chmod(0o600)  # it holds the client credentials of the embedded server
         STATE_FILE.write_text(json.dumps({"nats_url": cluster.nats_url, "pid": os.getpid(),
                                           "client": cluster.client.as_dict() if cluster.client else None}))
-        print(f"baton ready: {cluster.nats_url} ({args.prefill} prefill, {args.decode} decode; "
+        placed = (f"; engines on CPUs: prefill {' | '.join(cpus[:args.prefill])}, decode {' | '.join(cpus[args.prefill:])}"
+                  if cpus else "")
+        print(f"baton ready: {cluster.nats_url} ({args.prefill} prefill, {args.decode} decode{placed}; "
               f"started in {time.monotonic() - t0:.1f} s, logs in {args.log_dir}){http}", flush=True)
         supervisor = Supervisor.of(cluster)
         while not stop_now:

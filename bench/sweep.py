@@ -4,10 +4,11 @@
     python bench/sweep.py --input-len 32,1024 ...        # long prompts arriving among short ones
 
 (a) disaggregated: a nats-server plus registry, router, prefill and decode processes, as `baton up`
-    starts them (baton/up.py start_cluster); prefill and decode get --threads torch threads each.
+    starts them (baton/up.py start_cluster); prefill and decode get --threads torch threads each
+    and, where the machine has a core for each, cores of their own (`engine_cpus`).
 (b) aggregated: one process doing prefill and decode on one store
     (`python -m baton.services.aggregated`), with --agg-threads torch threads (default: --threads,
-    like each disaggregated engine process).
+    like each disaggregated engine process), on the cores the disaggregated decode gets.
 Each system gets its own nats-server; both are started once and stay up, and `baton bench`
 (baton/loadtest.py) drives one at a time over the public API (the other idles). Prints both
 tables and a side-by-side one; writes JSON (and PNGs with --plot and matplotlib). Keep the
@@ -35,7 +36,7 @@ from baton.services.aggregated import launch
 from baton.shared.bus import NatsServer
 from baton.shared.config import WorkerSection
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
-from baton.up import start_cluster, wait_ready
+from baton.up import engine_cpus, start_cluster, wait_ready
 
 SYSTEMS = ("disaggregated", "aggregated")
 
@@ -86,7 +87,7 @@ def disaggregated(args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
     """The cluster `baton up` starts, ready; yields its NATS URL."""
     ns = argparse.Namespace(model=args.model, prefill=1, decode=1, log_dir=str(log_dir / "disaggregated"),
                             nats_url=None, nats_port=None)
-    cluster = start_cluster(ns, worker_args(args, args.threads))
+    cluster = start_cluster(ns, worker_args(args, args.threads), cpus=engine_cpus(1, 1, args.threads))
     try:
         waited = asyncio.run(wait_ready(cluster.nats_url, cluster, 1, 1, 300.0))
         print(f"disaggregated ready in {waited:.1f} s", file=sys.stderr)
@@ -99,9 +100,11 @@ def disaggregated(args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
 def aggregated(args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
     """One aggregated process on its own nats-server, ready; yields the URL."""
     threads = args.agg_threads or args.threads
+    placed = engine_cpus(0, 1, threads)  # the CPUs the disaggregated decode gets, as `baton up` places it
     (log_dir / "aggregated").mkdir(parents=True, exist_ok=True)
     with NatsServer(jetstream=False) as server:
-        with launch.running(server.url, worker_args(args, threads), log_dir / "aggregated" / "aggregated.log", 300.0):
+        with launch.running(server.url, worker_args(args, threads) + (["--cpus", placed[0]] if placed else []),
+                            log_dir / "aggregated" / "aggregated.log", 300.0):
             yield server.url
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -21,7 +22,7 @@ from baton.proto.internal import (Ack, CachedPrefix, Capacity, Deregistration, H
                                   WorkerRegistration)
 from baton.shared.bus import Bus
 from baton.shared.bus.wire import decode_event
-from baton.shared.config import Config, WorkerSection, check_section
+from baton.shared.config import Config, ConfigError, WorkerSection, check_section, cpu_ids
 from baton.shared.engine.runner import ModelRunner, SpecConfig
 from baton.shared.kv.cache_changes import Cached
 from baton.shared.kv.codec import from_plain, to_plain
@@ -62,6 +63,19 @@ def use_threads(worker: WorkerSection) -> None:
         torch.set_num_threads(worker.threads)
 
 
+def use_cpus(worker: WorkerSection) -> None:
+    """Keep this process on [worker] cpus, if set: every thread it has now (threads started
+    later inherit it). A CPU this process may not use is a configuration error."""
+    if not worker.cpus:
+        return
+    wanted, allowed = cpu_ids(worker.cpus), os.sched_getaffinity(0)
+    if not wanted <= allowed:
+        raise ConfigError(f"worker.cpus: {worker.cpus} names CPUs this process may not run on "
+                          f"(it may use {sorted(allowed)})")
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread), wanted)
+
+
 def speculation(worker: WorkerSection) -> SpecConfig:
     """The engine's speculation settings from [worker] (where `spec` is mtp | off)."""
     return SpecConfig(worker.spec == "mtp", worker.draft_tokens, worker.draft_state)
@@ -80,6 +94,7 @@ class Worker:
         """`draft_windows`: a draft window per slot (`KVStore.for_worker`); `copy_threads`:
         TransferAgent's, for parallel WRITEs."""
         w = config.worker
+        use_cpus(w)
         use_threads(w)
         self.bus, self.config = bus, config
         self.model = load_model(config.model, w.dtype, w.device, w.projection)

@@ -71,6 +71,25 @@ def device_name(v: str) -> str | None:
     return f"must be cpu, cuda or cuda:N; got {v!r}"
 
 
+def cpu_ids(v: str) -> set[int]:
+    """A CPU list as Linux writes one (`3`, `0-1`, `0,2-3`) -> its ids; "" -> none."""
+    ids: set[int] = set()
+    for part in filter(None, v.replace(" ", "").split(",")):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"not a CPU list: {v!r} (e.g. 3, 0-1, 0,2-3)")
+        ids.update(range(int(lo), int(hi or lo) + 1))
+    return ids
+
+
+def cpu_list(v: str) -> str | None:
+    try:
+        cpu_ids(v)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def key(default: Any, help: str, check: Check | None = None, secret: bool = False, flag: str = "") -> Any:
     """A config key: its default, one line of help, an optional check, and the CLI flag (if any)."""
     return field(default=default, metadata={"help": help, "check": check, "secret": secret, "flag": flag})
@@ -151,6 +170,9 @@ class WorkerSection:
     threads: int = key(0, "torch threads per worker (0: torch's default for `baton serve`; `baton up` "
                           "divides the machine's cores among its prefill and decode processes)",
                        between(0), flag="--threads")
+    cpus: str = key("", "CPUs this worker's process runs on, as Linux lists them (3, 0-1, 0,2-3); empty: "
+                        "wherever the OS puts it (`baton up` gives each engine its own cores, see up.engine_cpus)",
+                    cpu_list, flag="--cpus")
     device: str = key("cpu", "where a worker's model and KV store live: cpu, cuda or cuda:N", device_name,
                       flag="--device")
     dtype: str = key("float32", "model weights and KV cache: float32 (greedy output equals `transformers` "
@@ -181,6 +203,11 @@ class UpSection:
     nats_port: int = key(0, "port of the embedded nats-server (0: a free one)", between(0, 65535), flag="--nats-port")
     ready_timeout_s: float = key(180.0, "give up when not ready after this long", positive, flag="--ready-timeout")
     http: bool = key(False, "also start the OpenAI-compatible HTTP frontend", flag="--http")
+    engine_cpus: str = key("auto", "auto: each prefill and decode process gets cores of its own (decode's the "
+                                   "highest-numbered) when there is one for every engine thread, so one engine "
+                                   "never preempts the other; the light services run anywhere. none: the OS places "
+                                   "them. A worker.cpus set by hand wins", one_of("auto", "none"),
+                           flag="--engine-cpus")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from baton.shared.model.checkpoint import load_model
 from baton.shared.model.tokenizer import TextTokenizer
 
 from ..router.public import PublicAPI
-from ..worker import WorkerConfig, use_threads
+from ..worker import WorkerConfig, use_cpus, use_threads
 from .engine import PREFILL_TOKENS, AggregatedEngine, Job
 
 log = logging.getLogger("baton.aggregated")
@@ -53,6 +53,7 @@ class AggregatedService:
 async def open_service(bus: Bus, config: WorkerConfig, prefill_tokens: int = PREFILL_TOKENS) -> AggregatedService:
     """Load the model, start the engine and serve the public subjects on `bus`."""
     w = config.worker
+    use_cpus(w)
     use_threads(w)
     engine = AggregatedEngine(load_model(config.model, w.dtype, w.device, w.projection), w, prefill_tokens)
     service = AggregatedService(bus, engine, TextTokenizer.load(config.model))
