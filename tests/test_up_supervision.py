@@ -22,6 +22,7 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError
 from baton.proto.public import GenerateReply, GenerateRequest
 from baton.shared.bus import Bus
+from baton.shared.config import cpu_ids
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.shared.process import stop
 from baton.up import engine_cpus
@@ -185,9 +186,9 @@ def test_sigkill_of_baton_up_leaves_no_process(tmp_path, busy):
                 os.kill(pid, signal.SIGKILL)
 
 
-def cpus_of(pid: int) -> set[str]:
-    """The CPU lists (`Cpus_allowed_list`) of every thread of process `pid`."""
-    return {re.search(r"Cpus_allowed_list:\s*(\S+)", (task / "status").read_text()).group(1)
+def cpus_of(pid: int) -> set[frozenset[int]]:
+    """The CPUs (`Cpus_allowed_list`) of each thread of process `pid`, one set per distinct list."""
+    return {frozenset(cpu_ids(re.search(r"Cpus_allowed_list:\s*(\S+)", (task / "status").read_text()).group(1)))
             for task in Path(f"/proc/{pid}/task").iterdir()}
 
 
@@ -195,7 +196,7 @@ def test_baton_up_gives_each_engine_its_own_cores(tmp_path):
     """Where there is a core for each engine thread (here 1 thread each), prefill runs on the
     lowest and decode on the highest, every thread of each; the other services run anywhere."""
     want = engine_cpus(1, 1, 1)
-    anywhere = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    anywhere = {frozenset(os.sched_getaffinity(0))}
     with baton_up(tmp_path) as up:
         ready = "".join(line for line in up.output if line.startswith("baton ready:"))
         kids = children(up.proc.pid)
@@ -203,22 +204,12 @@ def test_baton_up_gives_each_engine_its_own_cores(tmp_path):
                  if f"baton serve {role}" in cmd}
         if want is None:  # a single core: the OS places them
             assert "engines on CPUs" not in ready, ready
-            assert all(cpus_of(pid) == {cpus_of(up.proc.pid).pop()} for pid in roles.values())
+            assert all(cpus_of(pid) == anywhere for pid in roles.values())
             return
         assert f"engines on CPUs: prefill {want[0]}, decode {want[1]};" in ready, ready
-        assert cpus_of(roles["prefill"]) == {compact(want[0])} and cpus_of(roles["decode"]) == {compact(want[1])}
-        assert cpus_of(roles["router"]) == cpus_of(roles["registry"]) == {compact(anywhere)}
-
-
-def compact(cpus: str) -> str:
-    """A CPU list as /proc writes it: runs as ranges (0,1,2,5 -> 0-2,5)."""
-    ids, runs = sorted(int(c) for c in cpus.split(",")), []
-    for i in ids:
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+        assert cpus_of(roles["prefill"]) == {frozenset(cpu_ids(want[0]))}
+        assert cpus_of(roles["decode"]) == {frozenset(cpu_ids(want[1]))}
+        assert cpus_of(roles["router"]) == cpus_of(roles["registry"]) == anywhere
 
 
 def test_a_service_crashing_in_a_loop_is_given_up_on(tmp_path):
