@@ -29,7 +29,7 @@ from baton.shared.bus import Bus
 from baton.shared.bus.auth import Credentials, new_client, new_service, server_config
 from baton.shared.bus.server import NatsServer
 from baton.shared.metrics import FILE_ENV, PORT_ENV
-from baton.shared.process import die_with_parent
+from baton.shared.process import child_env, die_with_parent
 from baton.supervisor import Supervisor
 
 STATE_FILE = Path(os.environ.get("BATON_STATE", Path.home() / ".cache" / "baton" / "up.json"))
@@ -72,7 +72,7 @@ class Cluster:
             self.worker_ids[index] = f"{name}-{uuid.uuid4().hex[:6]}"
             args = ["--worker-id", self.worker_ids[index], *args]
         cmd = [sys.executable, "-m", "baton", "serve", role, "--nats-url", self.nats_url, *args]
-        env = {**os.environ, PORT_ENV: "auto", FILE_ENV: str(log_dir / f"{name}.metrics.json")}
+        env = child_env({**os.environ, PORT_ENV: "auto", FILE_ENV: str(log_dir / f"{name}.metrics.json")})
         if self.service is not None:
             env |= {"BATON_NATS_USER": self.service.user, "BATON_NATS_PASSWORD": self.service.password}
         with open(log_dir / f"{name}.log", log_mode) as log:

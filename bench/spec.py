@@ -38,6 +38,7 @@ from baton.shared.kv.store import KVStore
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
+from baton.shared.process import as_child_env
 
 MODES = ("transfer", "rebuild", "cold")
 
@@ -251,6 +252,7 @@ def system_stream(path: Path, prompt, max_tokens: int, k: int, threads: int, rep
 
 
 def main() -> None:
+    as_child_env()  # transformers and the in-process engine get the malloc the system's workers get
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--prompts", type=int, default=24)

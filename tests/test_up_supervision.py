@@ -192,9 +192,10 @@ def cpus_of(pid: int) -> set[frozenset[int]]:
             for task in Path(f"/proc/{pid}/task").iterdir()}
 
 
-def test_baton_up_gives_each_engine_its_own_cores(tmp_path):
-    """Where there is a core for each engine thread (here 1 thread each), prefill runs on the
-    lowest and decode on the highest, every thread of each; the other services run anywhere."""
+def test_baton_up_gives_each_engine_its_own_cores_and_hugepage_malloc(tmp_path):
+    """Every service starts with glibc's malloc on huge pages (child_env). Where there is a core
+    for each engine thread (here 1 thread each), prefill runs on the lowest and decode on the
+    highest, every thread of each; the other services run anywhere."""
     want = engine_cpus(1, 1, 1)
     anywhere = {frozenset(os.sched_getaffinity(0))}
     with baton_up(tmp_path) as up:
@@ -202,6 +203,9 @@ def test_baton_up_gives_each_engine_its_own_cores(tmp_path):
         kids = children(up.proc.pid)
         roles = {role: pid for pid, cmd in kids.items() for role in ("prefill", "decode", "router", "registry")
                  if f"baton serve {role}" in cmd}
+        for role, pid in roles.items():
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in environ, role
         if want is None:  # a single core: the OS places them
             assert "engines on CPUs" not in ready, ready
             assert all(cpus_of(pid) == anywhere for pid in roles.values())

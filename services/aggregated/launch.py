@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -14,14 +15,15 @@ from baton.proto import subjects
 from baton.proto.errors import BatonError
 from baton.proto.public import GenerateReply, GenerateRequest
 from baton.shared.bus import Bus
-from baton.shared.process import stop
+from baton.shared.process import child_env, stop
 
 
 def spawn(nats_url: str, args: list[str] = (), log_path: Path | None = None) -> subprocess.Popen:
     """`python -m baton.services.aggregated --nats-url URL *args`, output to `log_path`."""
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
     cmd = [sys.executable, "-m", "baton.services.aggregated", "--nats-url", nats_url, *args]
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(dict(os.environ)),
+                            start_new_session=True)
 
 
 async def wait_ready(nats_url: str, process: subprocess.Popen, timeout_s: float = 120.0) -> float:
