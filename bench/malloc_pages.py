@@ -2,11 +2,13 @@
 what `baton up` gives its services) against the default malloc, in paired processes.
 
     .venv/bin/python bench/malloc_pages.py --pairs 3 --batch 1,8 --seconds 15 --json out/malloc_pages.json
+    .venv/bin/python bench/malloc_pages.py --control --pairs 3 --batch 1 --seconds 15   # default vs default
 
 The speed of one process differs from another's by up to ~18% on a shared VM (memory placement;
 docs/benchmarks.md, stop 53), more than the effect measured, so the two variants run as a pair at
 the same time, each pinned to a core of its own, and again with the cores swapped; a pair is
-compared with itself. Each process loads the shipped model into `LocalEngine` (greedy, the
+compared with itself. `--control` runs the default malloc in both processes of a pair (an A/A
+test): how far two identical processes differ here. Each process loads the shipped model into `LocalEngine` (greedy, the
 worker's default k, one torch thread) and steps `--batch` held-out 128-token prompts for
 `--seconds`, afresh every 40 steps; it reports the median CPU time of a step (the thread's own
 CPU time: time on the core taken by anything else does not count), its RSS and its huge pages.
@@ -64,16 +66,16 @@ def _kib(path: str, key: str) -> float:
     return 0.0
 
 
-def variant_env(name: str) -> dict[str, str]:
+def variant_env(name: str, control: bool) -> dict[str, str]:
     from baton.shared.process import child_env
     base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    return child_env(base) if name == "hugepages" else base
+    return child_env(base) if name == "hugepages" and not control else base
 
 
-def pair(cpus: tuple[int, int], seconds: float, batch: int) -> dict[str, dict]:
+def pair(cpus: tuple[int, int], seconds: float, batch: int, control: bool) -> dict[str, dict]:
     """Both variants at once, the first on cpus[0]."""
     procs = {name: subprocess.Popen([sys.executable, __file__, "--worker", str(cpu), str(seconds), str(batch)],
-                                    env=variant_env(name), stdout=subprocess.PIPE, text=True)
+                                    env=variant_env(name, control), stdout=subprocess.PIPE, text=True)
              for name, cpu in zip(VARIANTS, cpus)}
     results = {}
     for name, proc in procs.items():
@@ -92,18 +94,21 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3, help="pairs per batch size, each also run with the cores swapped")
     ap.add_argument("--batch", default="1,8", help="sequences per step, comma-separated")
     ap.add_argument("--seconds", type=float, default=15.0, help="stepping time of one process")
+    ap.add_argument("--control", action="store_true", help="the default malloc in both (an A/A test)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("needs two cores: the variants of a pair run at the same time")
     rows = []
+    if args.control:
+        print("control: the default malloc in both columns")
     print(f"{'batch':>5} {'pair':>4} {'cores h/d':>9} {'hugepages ms':>12} {'default ms':>10} {'ratio':>6} "
           f"{'huge MiB h/d':>12} {'RSS MiB h/d':>11}")
     for batch in [int(b) for b in args.batch.split(",")]:
         for i in range(args.pairs):
             for cpus in ((cores[0], cores[1]), (cores[1], cores[0])):
-                r = pair(cpus, args.seconds, batch)
+                r = pair(cpus, args.seconds, batch, args.control)
                 h, d = r["hugepages"], r["default"]
                 rows.append({"batch": batch, "pair": i, **{f"{n}_{k}": v for n in VARIANTS for k, v in r[n].items()}})
                 print(f"{batch:>5} {i:>4} {h['cpu']:>4}/{d['cpu']:<4} {h['step_ms']:>12.2f} {d['step_ms']:>10.2f} "
@@ -114,11 +119,12 @@ def main() -> None:
         ratios = [r["hugepages_step_ms"] / r["default_step_ms"] for r in rows if r["batch"] == batch]
         summary[batch] = {"median_ratio": statistics.median(ratios), "hugepages_faster": sum(x < 1 for x in ratios),
                           "pairs": len(ratios)}
-        print(f"batch {batch}: hugepages / default step time, median {summary[batch]['median_ratio']:.3f}; "
-              f"hugepages faster in {summary[batch]['hugepages_faster']} of {len(ratios)}")
+        first, second = ("first", "second") if args.control else VARIANTS
+        print(f"batch {batch}: {first} / {second} step time, median {summary[batch]['median_ratio']:.3f}; "
+              f"{first} faster in {summary[batch]['hugepages_faster']} of {len(ratios)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+        args.json.write_text(json.dumps({"control": args.control, "rows": rows, "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":
