@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from baton.loadtest import write_json
+
 SEQUENCE_STEPS = 40
 VARIANTS = ("hugepages", "default")
 
@@ -123,8 +125,7 @@ def main() -> None:
         print(f"batch {batch}: {first} / {second} step time, median {summary[batch]['median_ratio']:.3f}; "
               f"{first} faster in {summary[batch]['hugepages_faster']} of {len(ratios)}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"control": args.control, "rows": rows, "summary": summary}, indent=1))
+        write_json({"control": args.control, "rows": rows, "summary": summary}, args.json)
 
 
 if __name__ == "__main__":
