@@ -4,14 +4,15 @@ what `baton up` gives its services) against the default malloc, in paired proces
     .venv/bin/python bench/malloc_pages.py --pairs 3 --batch 1,8 --seconds 15 --json out/malloc_pages.json
     .venv/bin/python bench/malloc_pages.py --control --pairs 3 --batch 1 --seconds 15   # default vs default
 
-The speed of one process differs from another's by up to ~18% on a shared VM (memory placement;
-docs/benchmarks.md, stop 53), more than the effect measured, so the two variants run as a pair at
-the same time, each pinned to a core of its own, and again with the cores swapped; a pair is
-compared with itself. `--control` runs the default malloc in both processes of a pair (an A/A
-test): how far two identical processes differ here. Each process loads the shipped model into `LocalEngine` (greedy, the
-worker's default k, one torch thread) and steps `--batch` held-out 128-token prompts for
-`--seconds`, afresh every 40 steps; it reports the median CPU time of a step (the thread's own
-CPU time: time on the core taken by anything else does not count), its RSS and its huge pages.
+On this shared VM the two vCPUs' speeds differ by up to 12%, and which one is faster changes from
+one minute to the next (docs/benchmarks.md, stop 53): more than the effect measured. So the two
+variants run as a pair at the same time, each pinned to a core of its own, and again with the cores
+swapped; a pair is compared with itself. `--control` runs the default malloc in both processes of
+a pair (an A/A test): how far two identical processes differ here. Each process loads the shipped
+model into `LocalEngine` (greedy, the worker's default k, one torch thread) and steps `--batch`
+held-out 128-token prompts for `--seconds`, afresh every SEQUENCE_STEPS steps; it reports the
+median CPU time of a step (the thread's own CPU time: time on the core taken by anything else does
+not count), its RSS and its huge pages.
 """
 from __future__ import annotations
 
@@ -25,14 +26,17 @@ import time
 from pathlib import Path
 
 from baton.loadtest import write_json
+from baton.shared.config import WorkerSection
+from baton.shared.process import child_env
 
 SEQUENCE_STEPS = 40
+K = WorkerSection().draft_tokens  # the worker's default k
 VARIANTS = ("hugepages", "default")
 
 
 def worker(cpu: int, seconds: float, batch: int) -> dict:
     """One process: pinned to `cpu`, steps for `seconds`; the median CPU ms of a step. A step
-    emits at most k + 1 = 6 tokens, so no sequence ends within its SEQUENCE_STEPS."""
+    emits at most k + 1 tokens, so no sequence ends within its SEQUENCE_STEPS."""
     os.sched_setaffinity(0, {cpu})
     import torch
 
@@ -49,8 +53,8 @@ def worker(cpu: int, seconds: float, batch: int) -> dict:
     step_ms, end = [], time.monotonic() + seconds
     with torch.inference_mode():
         while time.monotonic() < end:
-            engine = LocalEngine(model, SpecConfig(True, 5, "transfer"))
-            seqs = [Sequence(f"r{i}", p, 6 * SEQUENCE_STEPS) for i, p in enumerate(prompts)]
+            engine = LocalEngine(model, SpecConfig(True, K, "transfer"))
+            seqs = [Sequence(f"r{i}", p, (K + 1) * SEQUENCE_STEPS) for i, p in enumerate(prompts)]
             engine.admit(seqs)
             for _ in range(SEQUENCE_STEPS):
                 start = time.thread_time()
@@ -69,7 +73,6 @@ def _kib(path: str, key: str) -> float:
 
 
 def variant_env(name: str, control: bool) -> dict[str, str]:
-    from baton.shared.process import child_env
     base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     return child_env(base) if name == "hugepages" and not control else base
 
