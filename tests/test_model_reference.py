@@ -1,5 +1,6 @@
 """The target model against `transformers` Qwen3ForCausalLM on the shipped checkpoint."""
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,7 @@ def test_auto_projection_picks_a_timed_kernel_and_packs_every_projection_for_it(
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert model.projection in KERNELS
     assert {m.kernel for m in linears} == {model.projection}
-    kernel, seconds = fastest_projection(linears)
+    kernel, seconds = fastest_projection(linears, model.projection_probe())
     assert set(seconds) == set(KERNELS) and kernel == min(seconds, key=seconds.get)
     assert {m.kernel for m in linears} == {kernel}
     x = torch.randn(5, model.cfg.hidden_size)
@@ -116,3 +117,42 @@ def test_auto_projection_picks_a_timed_kernel_and_packs_every_projection_for_it(
                 assert torch.allclose(m(x), torch.nn.functional.linear(x, m.weight), atol=1e-5)
     with pytest.raises(ValueError, match="projection kernel must be one of"):
         linears[0].pack("mkl")
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@pytest.mark.skipif(len(KERNELS) < 2, reason="oneDNN does not prepack float32 here: one candidate")
+@pytest.mark.parametrize("slow", KERNELS)
+def test_the_kernel_whose_work_takes_more_cpu_time_loses_even_if_the_other_is_interrupted_once(slow):
+    """The pick follows the CPU time of the work timed, best of several turns each: a kernel that
+    costs twice as much loses, also when the other one's first turn was slowed by a burst of load."""
+    model = load_model(MODEL_DIR, projection="blas")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    turns = []
+
+    def run(rows: int) -> None:
+        kernel = linears[0].kernel
+        turns.append(kernel)
+        burst = 0.02 if kernel != slow and turns.count(kernel) == 3 else 0.0  # its first timed turn, rows 1
+        _spin((0.004 if kernel == slow else 0.002) + burst)
+    kernel, seconds = fastest_projection(linears, run, rows=(1, 16), rounds=3)
+    assert kernel != slow and seconds[slow] > seconds[kernel]
+    assert turns == [k for _ in range(1 + 3) for k in ("onednn", "blas") for _ in (1, 16)]  # warm-up, then turns
+    assert {m.kernel for m in linears} == {kernel}
+
+
+@pytest.mark.skipif("onednn" not in KERNELS, reason="oneDNN does not prepack float32 here")
+def test_the_projection_probe_runs_every_projection_of_the_model():
+    """Unfused (oneDNN), the probe calls each projection, the layers' and those outside them."""
+    model = load_model(MODEL_DIR, projection="onednn")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    called = set()
+    for m in linears:
+        m.forward = (lambda f, m: lambda x: (called.add(id(m)), f(x))[1])(m.forward, m)
+    with torch.inference_mode():
+        model.projection_probe()(1)
+    assert called == {id(m) for m in linears}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +69,7 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 class Linear(nn.Linear):
     """A bias-free projection. After `pack(kernel)` (done by `load_model` on the CPU), inference
-    runs through one of two kernels, whichever this CPU runs faster (`fastest_projection`):
+    runs through one of two kernels, whichever runs this CPU's decoder layers faster (`fastest_projection`):
     `onednn`, oneDNN's prepacked GEMM, or `blas`, torch.mm over the weight stored transposed
     ([in, out], contiguous). For the few-row products of decode the time is mostly reading the
     weight from memory, and which kernel streams it faster depends on the CPU: on the AMD EPYC
@@ -85,14 +85,16 @@ class Linear(nn.Linear):
 
     def pack(self, kernel: str) -> None:
         """Prepare the current weight for `kernel` (call again after changing it)."""
+        self.packed, self.kernel = self.packed_for(kernel), kernel
+
+    def packed_for(self, kernel: str) -> torch.Tensor:
+        """The current weight as `kernel` reads it."""
         weight = self.weight.detach()
         if kernel == "onednn":
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 4)
-        elif kernel == "blas":
-            self.packed = weight.t().contiguous()  # [in, out]
-        else:
-            raise ValueError(f"projection kernel must be one of {PROJECTION_KERNELS}, got {kernel!r}")
-        self.kernel = kernel
+            return torch.ops.mkldnn._reorder_linear_weight(weight, 4)
+        if kernel == "blas":
+            return weight.t().contiguous()  # [in, out]
+        raise ValueError(f"projection kernel must be one of {PROJECTION_KERNELS}, got {kernel!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or torch.is_grad_enabled():
@@ -102,36 +104,31 @@ class Linear(nn.Linear):
         return x.mm(self.packed) if x.dim() == 2 else x.matmul(self.packed)  # [..., in] @ [in, out]
 
 
-def fastest_projection(linears: list[Linear], rows: tuple[int, ...] = (1, 16), rounds: int = 3) -> tuple[str, dict]:
-    """The kernel that runs these projections fastest on this CPU, and each candidate's time:
-    every projection once at each row count (decode's one-row drafts, a verify of several rows),
-    best of `rounds`. Leaves the projections packed for the winner."""
+def fastest_projection(linears: list[Linear], run: Callable[[int], None], rows: tuple[int, ...] = (1, 16),
+                       rounds: int = 5) -> tuple[str, dict]:
+    """The kernel under which `run(r)` (the work the kernel choice changes, at r rows: decode's
+    one-row drafts, a verify of several rows) takes the least CPU time here, and each candidate's
+    best time. CPU time, and the candidates taking turns round by round after a warm-up round: the
+    other services starting beside this one may take the core for a while, which neither counts nor
+    slows all of one candidate's rounds. Best of `rounds`. Leaves `linears` packed for the winner."""
     dtype = linears[0].weight.dtype
-    candidates = [k for k in PROJECTION_KERNELS if k != "onednn" or onednn_packs(dtype)]
-    widths = {m.in_features for m in linears}
-    inputs = {(r, n): torch.full((r, n), 0.5, dtype=dtype, device="cpu") for r in rows for n in widths}
-    seconds = {}
-    for kernel in candidates:
-        for m in linears:
-            m.pack(kernel)
-        with torch.inference_mode():
-            for r in rows:  # warm up
-                for m in linears:
-                    m.forward(inputs[r, m.in_features])
-            seconds[kernel] = min(_timed(linears, inputs, rows) for _ in range(rounds))
+    packs = {kernel: [m.packed_for(kernel) for m in linears]
+             for kernel in PROJECTION_KERNELS if kernel != "onednn" or onednn_packs(dtype)}
+    seconds = {kernel: float("inf") for kernel in packs}
+    with torch.inference_mode():
+        for i in range(rounds + 1):
+            for kernel, packed in packs.items():
+                for m, p in zip(linears, packed):
+                    m.packed, m.kernel = p, kernel
+                start = time.thread_time()
+                for r in rows:
+                    run(r)
+                if i:
+                    seconds[kernel] = min(seconds[kernel], time.thread_time() - start)
     best = min(seconds, key=seconds.get)
-    if best != candidates[-1]:  # the last one timed is the one packed now
-        for m in linears:
-            m.pack(best)
+    for m, p in zip(linears, packs[best]):
+        m.packed, m.kernel = p, best
     return best, seconds
-
-
-def _timed(linears: list[Linear], inputs: dict, rows: tuple[int, ...]) -> float:
-    start = time.perf_counter()
-    for r in rows:
-        for m in linears:
-            m.forward(inputs[r, m.in_features])
-    return time.perf_counter() - start
 
 
 class FusedLinear(Linear):

@@ -13,6 +13,7 @@ MTP j:   entry at position p takes (h_{p-1}, token_p) and predicts token_{p+1}:
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from torch import nn
@@ -98,6 +99,30 @@ class BatonLM(nn.Module):
         x = mtp.eh_proj.forward(torch.cat((emb, mtp.hnorm.forward(prev_hidden)), dim=-1))  # [T, 2d] -> [T, d]
         return mtp.block.forward(x, rope, attn, rows)
 
+    def projection_probe(self) -> Callable[[int], None]:
+        """What the projection kernel changes, at r rows (`fastest_projection`): every decoder layer,
+        target and MTP, as it runs (its projections, norms and, for BLAS, the fused path) around an
+        attention that returns its queries (the same for every kernel, so left out), and the
+        projections outside the layers (each MTP layer's eh_proj, the head)."""
+        layers = [*self.model.layers, *(mtp.block for mtp in self.mtp.layers)]
+        others = [m for m in self.modules() if isinstance(m, Linear) and not any(m in l.modules() for l in layers)]
+        d, inputs = self.cfg.hidden_size, {}
+
+        def no_attention(_layer_id: int, q: torch.Tensor, _kv: torch.Tensor) -> torch.Tensor:
+            return q  # [T, H, D], the attention's output shape
+
+        def run(rows: int) -> None:
+            if rows not in inputs:
+                inputs[rows] = (torch.full((rows, d), 0.5, dtype=self.dtype),  # [rows, d]
+                                self.rotary(torch.arange(rows), self.dtype, rows - 1),  # cos, sin: [rows, 1, D]
+                                [torch.full((rows, m.in_features), 0.5, dtype=self.dtype) for m in others])
+            x, rope, other_inputs = inputs[rows]
+            for layer in layers:
+                layer.forward(x, rope, no_attention)
+            for m, x_in in zip(others, other_inputs):
+                m.forward(x_in)
+        return run
+
     def pack(self, projection: str = "auto") -> "BatonLM":
         """Cache the fused q/k norm weights and, on the CPU, prepare every projection for the
         `projection` kernel (`Linear`; "auto": the one this CPU runs fastest, timed here);
@@ -112,7 +137,7 @@ class BatonLM(nn.Module):
             cpu_fused.available()  # built now (or found in its cache), not inside the first step
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if projection == "auto":
-            projection, seconds = fastest_projection(linears)
+            projection, seconds = fastest_projection(linears, self.projection_probe())
             log.info("projections: %s (timed at load: %s)", projection,
                      ", ".join(f"{k} {1e3 * s:.2f} ms" for k, s in seconds.items()))
         else:
