@@ -20,6 +20,7 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import (Ack, CachedPrefix, Capacity, Deregistration, Heartbeat, HeartbeatReply,
                                   LookupReply, LookupRequest, PrefixEvents, RegisterReply, WorkerEvent, WorkerLoad,
                                   WorkerRegistration)
+from baton.shared import wake_latency
 from baton.shared.bus import Bus
 from baton.shared.bus.wire import decode_event
 from baton.shared.config import Config, ConfigError, WorkerSection, check_section, cpu_ids
@@ -96,6 +97,7 @@ class Worker:
         w = config.worker
         use_cpus(w)
         use_threads(w)
+        self.wake_latency = wake_latency.hold(w.cpu_wake_latency_us)  # held while the worker lives
         self.bus, self.config = bus, config
         self.model = load_model(config.model, w.dtype, w.device, w.projection)
         self.spec = speculation(w)
@@ -122,6 +124,8 @@ class Worker:
             await stop.wait()
             await self._leave()
         self.engine.close()
+        if self.wake_latency is not None:
+            self.wake_latency.close()
         if self.membership.refusal is not None:
             raise self.membership.refusal
 

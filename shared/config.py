@@ -173,6 +173,11 @@ class WorkerSection:
     cpus: str = key("", "CPUs this worker's process runs on, as Linux lists them (3, 0-1, 0,2-3); empty: "
                         "wherever the OS puts it (`baton up` gives each engine its own cores, see up.engine_cpus)",
                     cpu_list, flag="--cpus")
+    cpu_wake_latency_us: int = key(-1, "while a worker runs, no CPU may take longer than this to wake from idle "
+                                       "(Linux PM QoS, /dev/cpu_dma_latency; root only, else a warning): 0 keeps "
+                                       "idle CPUs polling, so an engine that waited for work does not start on a "
+                                       "cold core (a VM's halted vCPU); -1: the machine decides", between(-1),
+                                   flag="--cpu-wake-latency-us")
     device: str = key("cpu", "where a worker's model and KV store live: cpu, cuda or cuda:N", device_name,
                       flag="--device")
     dtype: str = key("float32", "model weights and KV cache: float32 (greedy output equals `transformers` "

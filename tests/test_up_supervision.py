@@ -24,6 +24,7 @@ from baton.proto.public import GenerateReply, GenerateRequest
 from baton.shared.bus import Bus
 from baton.shared.config import cpu_ids
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared import wake_latency
 from baton.shared.process import stop
 from baton.up import engine_cpus
 from baton.shared.model.heldout import heldout_prompts
@@ -192,13 +193,20 @@ def cpus_of(pid: int) -> set[frozenset[int]]:
             for task in Path(f"/proc/{pid}/task").iterdir()}
 
 
-def test_baton_up_gives_each_engine_its_own_cores_and_hugepage_malloc(tmp_path):
+def holds_wake_latency(pid: int) -> bool:
+    """Whether process `pid` has the PM QoS device open (`shared/wake_latency.py`)."""
+    fds = Path(f"/proc/{pid}/fd")
+    return any(os.readlink(fd) == str(wake_latency.CPU_LATENCY_QOS) for fd in fds.iterdir())
+
+
+def test_baton_up_gives_each_engine_its_own_cores_hugepage_malloc_and_the_wake_latency_asked(tmp_path):
     """Every service starts with glibc's malloc on huge pages (child_env). Where there is a core
     for each engine thread (here 1 thread each), prefill runs on the lowest and decode on the
-    highest, every thread of each; the other services run anywhere."""
+    highest, every thread of each; the other services run anywhere. --cpu-wake-latency-us 0:
+    each engine holds the PM QoS request open (where this user may; else each says it could not)."""
     want = engine_cpus(1, 1, 1)
     anywhere = {frozenset(os.sched_getaffinity(0))}
-    with baton_up(tmp_path) as up:
+    with baton_up(tmp_path, "--cpu-wake-latency-us", "0") as up:
         ready = "".join(line for line in up.output if line.startswith("baton ready:"))
         kids = children(up.proc.pid)
         roles = {role: pid for pid, cmd in kids.items() for role in ("prefill", "decode", "router", "registry")
@@ -206,6 +214,12 @@ def test_baton_up_gives_each_engine_its_own_cores_and_hugepage_malloc(tmp_path):
         for role, pid in roles.items():
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in environ, role
+        may = os.access(wake_latency.CPU_LATENCY_QOS, os.W_OK)
+        assert {role: holds_wake_latency(pid) for role, pid in roles.items()} == {
+            "prefill": may, "decode": may, "router": False, "registry": False}
+        if not may:
+            logs = "".join(f.read_text() for f in up.log_dir.glob("*.log"))
+            assert logs.count("cpu_wake_latency_us 0 not applied") == 2, logs
         if want is None:  # a single core: the OS places them
             assert "engines on CPUs" not in ready, ready
             assert all(cpus_of(pid) == anywhere for pid in roles.values())

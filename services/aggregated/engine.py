@@ -27,6 +27,7 @@ import torch
 
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import Logprobs
+from baton.shared import wake_latency
 from baton.shared.config import WorkerSection
 from baton.shared.engine.runner import ModelRunner
 from baton.shared.engine.sampling import SamplingParams
@@ -125,6 +126,7 @@ class AggregatedEngine:
         self.runner = ModelRunner(model, self.store, self.spec, worker.prefill_chunk)
         self.window = model.cfg.sliding_window
         self.thread = EngineThread()
+        self.wake_latency = wake_latency.hold(worker.cpu_wake_latency_us)  # held until close()
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.steps = 0  # decode steps run (for tests and logs)
@@ -150,6 +152,8 @@ class AggregatedEngine:
         for job in jobs:
             job._fail(BatonError(ErrorCode.UNAVAILABLE, reason))
         self.thread.close()
+        if self.wake_latency is not None:
+            self.wake_latency.close()
 
     async def submit(self, request_id: str, prompt: list[int], max_tokens: int, params: SamplingParams,
                      stop_token_ids: list[int] = (), draft_tokens: int | None = None, min_tokens: int = 0,
