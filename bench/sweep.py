@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per prefill / decode process")
     ap.add_argument("--agg-threads", type=int, default=None, help="torch threads of the aggregated process "
                     "(default: --threads, as each disaggregated engine process; 2 x was slower on 2 busy cores)")
+    ap.add_argument("--cpu-wake-latency-us", type=int, default=-1,
+                    help="both systems' worker.cpu_wake_latency_us (0: idle CPUs poll while they run; root only)")
     ap.add_argument("--rounds", type=int, default=1, help="run the pair this many times, alternating the order")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, metavar="DIR", help="PNGs (needs matplotlib)")
@@ -79,7 +81,7 @@ def worker_args(args: argparse.Namespace, threads: int) -> list[str]:
     """Both systems' worker flags. The caches that reuse a prompt across requests are off: every
     round sends the same prompts, and the aggregated baseline has no such cache."""
     return ["--spec", args.spec, "--draft-tokens", str(args.draft_tokens), "--threads", str(threads),
-            "--prefix-cache", "0", "--turn-cache", "0"]
+            "--prefix-cache", "0", "--turn-cache", "0", "--cpu-wake-latency-us", str(args.cpu_wake_latency_us)]
 
 
 @contextmanager
