@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -293,6 +294,20 @@ def test_deadline_fails_but_holds_slots_until_acknowledged():
     assert r.events() == [] and r.tracker.pending == 1
     r.tracker.on_notice("p", Notice(Kind.ABORTED, 5))
     assert r.events() == [(5, EventKind.RELEASE)] and r.tracker.pending == 0
+
+
+def test_the_next_deadline_is_the_earliest_one_not_yet_enforced_and_each_expect_says_so():
+    r = Receiver()
+    added = []
+    r.tracker.on_expect = lambda: added.append(r.tracker.next_deadline())
+    assert r.tracker.next_deadline() is None
+    before = time.monotonic()
+    r.tracker.expect(5, "p", ["full"], 0, 10.0)
+    r.tracker.expect(6, "p", ["full"], 64, 0.0)
+    assert len(added) == 2 and before + 10.0 <= added[0] and added[1] <= time.monotonic()
+    r.tracker.tick()  # 6 fails: its slots stay held, but its deadline is done with
+    assert r.events() == [(6, EventKind.FAILED)] and r.tracker.pending == 2
+    assert r.tracker.next_deadline() == added[0]
 
 
 def test_after_abort_every_write_landing_also_releases():

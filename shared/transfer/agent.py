@@ -4,7 +4,8 @@ Threading: every method runs on one asyncio event loop thread; NIXL itself runs 
 own thread (`NixlThread`), reached only through short calls that the loop awaits. Use it as
 `async with TransferAgent(...) as agent:`; entering starts two tasks: the pump, which handles the
 notifications the NIXL thread collects (ABORT requests for our WRITEs; WRITTEN/FAILED/ABORTED for
-`agent.arrivals`) as they come, and a ticker that enforces arrival deadlines every TICK_S.
+`agent.arrivals`) as they come, and a ticker that enforces arrival deadlines when the earliest one
+passes (and at least every TICK_S).
 
 Sender (prefill): `await agent.write(peer, descriptors, tag, deadline_s)` (sender.py) returns
 only when no WRITE of that request is in flight any more, whatever the outcome, so the sender
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from contextlib import suppress
 from dataclasses import dataclass
@@ -31,7 +33,8 @@ from .sender import Destination, Sender, TransferResult
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.01  # arrival deadlines are enforced this often
+TICK_S = 1.0  # the ticker's longest sleep: it wakes at the earliest arrival deadline, or when one is added
+TICK_LATE_S = 0.001  # how long after a deadline it looks again, if it woke on it a hair early
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class TransferAgent:
         self.metrics = TransferMetrics()
         aux = [r for r in regions if r.component_key == AUX_KEY]
         self.arrivals = ArrivalTracker(self._send, aux[0] if aux else None, self.metrics)
+        self._deadline_added = asyncio.Event()
+        self.arrivals.on_expect = self._deadline_added.set
         self._lookup = lookup
         self._peers: dict[str, _Peer] = {}
         self._leaving: dict[str, _Peer] = {}  # being removed: no new WRITE, notices still go out
@@ -224,8 +229,15 @@ class TransferAgent:
                                       message[:40], peer)
 
     async def _tick(self) -> None:
+        """Enforce arrival deadlines as the earliest passes, not on a timer: a wake-up of this loop
+        takes the GIL (and, pinned, the core) from the engine thread, and at every 10 ms it was ~30%
+        of an idle prefill loop's CPU (py-spy; docs/benchmarks.md, stop 54)."""
         while True:
-            await asyncio.sleep(TICK_S)
+            self._deadline_added.clear()
+            due = self.arrivals.next_deadline()
+            sleep_s = TICK_S if due is None else min(TICK_S, max(TICK_LATE_S, due - time.monotonic()))
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._deadline_added.wait(), sleep_s)
             try:
                 self.arrivals.tick()
             except Exception:

@@ -73,6 +73,7 @@ class ArrivalTracker:
         self._metrics = metrics
         self._pending: dict[int, _Pending] = {}
         self.due = 0  # pending requests whose sender said a WRITE started (an int: read from the NIXL thread)
+        self.on_expect: Callable[[], None] = lambda: None  # a new deadline to enforce (`next_deadline` may be sooner)
 
     @property
     def pending(self) -> int:
@@ -103,6 +104,7 @@ class ArrivalTracker:
         read_tag(self._aux, aux_offset)  # checks the offset now rather than at arrival
         self._pending[tag] = _Pending(peer, frozenset(components) | {AUX_KEY}, aux_offset,
                                       time.monotonic() + deadline_s)
+        self.on_expect()
 
     def abort(self, tag: int, reason: str = "aborted by the receiver") -> None:
         """Give up on `tag` (e.g. the client cancelled): FAILED now, RELEASE once the sender
@@ -130,6 +132,10 @@ class ArrivalTracker:
             self._release(notice.tag)
         else:
             log.warning("ignored %s notice from %r: not a receiver's notice", notice.kind.name, peer)
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline `tick` still has to enforce (time.monotonic()), None if none."""
+        return min((e.deadline for e in self._pending.values() if not e.failed), default=None)
 
     def tick(self) -> None:
         """Fail requests past their deadline (their slots stay held)."""
