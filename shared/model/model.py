@@ -112,10 +112,12 @@ class BatonLM(nn.Module):
             return q  # [T, H, D], the attention's output shape
 
         def run(rows: int) -> None:
-            if rows not in inputs:
-                inputs[rows] = (torch.full((rows, d), 0.5, dtype=self.dtype),  # [rows, d]
-                                self.rotary(torch.arange(rows), self.dtype, rows - 1),  # cos, sin: [rows, 1, D]
-                                [torch.full((rows, m.in_features), 0.5, dtype=self.dtype) for m in others])
+            if rows not in inputs:  # the probe runs on the CPU only (`pack`)
+                positions = torch.arange(rows, device="cpu")
+                inputs[rows] = (torch.full((rows, d), 0.5, dtype=self.dtype, device="cpu"),  # [rows, d]
+                                self.rotary(positions, self.dtype, rows - 1),  # cos, sin: [rows, 1, D]
+                                [torch.full((rows, m.in_features), 0.5, dtype=self.dtype, device="cpu")
+                                 for m in others])
             x, rope, other_inputs = inputs[rows]
             for layer in layers:
                 layer.forward(x, rope, no_attention)
