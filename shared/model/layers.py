@@ -69,11 +69,12 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 class Linear(nn.Linear):
     """A bias-free projection. After `pack(kernel)` (done by `load_model` on the CPU), inference
-    runs through one of two kernels, whichever runs this CPU's decoder layers faster (`fastest_projection`):
-    `onednn`, oneDNN's prepacked GEMM, or `blas`, torch.mm over the weight stored transposed
-    ([in, out], contiguous). For the few-row products of decode the time is mostly reading the
-    weight from memory, and which kernel streams it faster depends on the CPU: on the AMD EPYC
-    VMs this project ran on, oneDNN by 2-4x; on Intel Sapphire Rapids, BLAS by 1.7x
+    runs through one of two kernels, whichever runs this CPU's decoder layers faster
+    (`fastest_projection`): `onednn`, oneDNN's prepacked GEMM, or `blas`, torch.mm over the weight
+    stored transposed ([in, out], contiguous). For the few-row products of decode the time is
+    mostly reading the weight from memory, and which kernel streams it faster depends on the CPU:
+    on the first AMD EPYC VMs this project ran on, oneDNN by 2-4x; on Intel Sapphire Rapids, BLAS by
+    1.7x; on the AVX2 EPYC of stops 51-54, BLAS, whose fused layer path oneDNN lacks
     (docs/benchmarks.md). Results agree with F.linear to rounding (another summation order).
     Training and grad-enabled calls always use F.linear."""
 
@@ -115,19 +116,22 @@ def fastest_projection(linears: list[Linear], run: Callable[[int], None], rows: 
     packs = {kernel: [m.packed_for(kernel) for m in linears]
              for kernel in PROJECTION_KERNELS if kernel != "onednn" or onednn_packs(dtype)}
     seconds = {kernel: float("inf") for kernel in packs}
+
+    def use(kernel: str) -> None:
+        for m, packed in zip(linears, packs[kernel]):
+            m.packed, m.kernel = packed, kernel
+
     with torch.inference_mode():
         for i in range(rounds + 1):
-            for kernel, packed in packs.items():
-                for m, p in zip(linears, packed):
-                    m.packed, m.kernel = p, kernel
+            for kernel in packs:
+                use(kernel)
                 start = time.thread_time()
                 for r in rows:
                     run(r)
                 if i:
                     seconds[kernel] = min(seconds[kernel], time.thread_time() - start)
     best = min(seconds, key=seconds.get)
-    for m, p in zip(linears, packs[best]):
-        m.packed, m.kernel = p, best
+    use(best)
     return best, seconds
 
 

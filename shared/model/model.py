@@ -105,7 +105,8 @@ class BatonLM(nn.Module):
         attention that returns its queries (the same for every kernel, so left out), and the
         projections outside the layers (each MTP layer's eh_proj, the head)."""
         layers = [*self.model.layers, *(mtp.block for mtp in self.mtp.layers)]
-        others = [m for m in self.modules() if isinstance(m, Linear) and not any(m in l.modules() for l in layers)]
+        in_layers = {id(m) for layer in layers for m in layer.modules()}
+        others = [m for m in self.modules() if isinstance(m, Linear) and id(m) not in in_layers]
         d, inputs = self.cfg.hidden_size, {}
 
         def no_attention(_layer_id: int, q: torch.Tensor, _kv: torch.Tensor) -> torch.Tensor:
