@@ -44,6 +44,8 @@ rounding, slower.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.machinery
@@ -52,6 +54,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +65,8 @@ from baton.kernels.dispatch import kernel_mode
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_fused.cpp")
 PREBUILT = SOURCE.with_name("prebuilt")  # `<module name>.so` built elsewhere (the image's build stage)
+BUILD_LOCK = "baton-build.flock"  # beside torch's own `lock` in the build directory (`build`)
+BUILD_WAIT_S = 900.0  # a build takes ~25 s on 2 cores; past this, the references run
 
 
 def module_name() -> str:
@@ -72,14 +77,44 @@ def module_name() -> str:
 
 def build(directory: Path | None = None):
     """Compile the ops (a no-op when the cached build is current) -> the module; its file is
-    `<directory>/<module_name()>.so` when `directory` is given, else in torch's extension cache."""
+    `<directory>/<module_name()>.so` when `directory` is given, else in torch's extension cache.
+
+    torch guards a build with a `lock` file that it removes when the build ends; a process killed
+    while building leaves it, and every later build of the name then waits for it forever (a
+    worker that never logs a line). So builds take BUILD_LOCK (a flock, which the kernel drops
+    with a dead holder) first: whoever holds it may remove a `lock` it finds, as no live build
+    can own one."""
     import ninja  # the pip package: torch's build calls `ninja`, which may not be on PATH
     from torch.utils import cpp_extension
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    if directory is not None:
-        directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(module_name(), [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                              extra_ldflags=["-fopenmp"], build_directory=None if directory is None else str(directory))
+    where = directory or Path(cpp_extension._get_build_directory(module_name(), verbose=False))
+    where.mkdir(parents=True, exist_ok=True)
+    with _build_lock(where / BUILD_LOCK):
+        stale = where / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build of the fused CPU ops that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        return cpp_extension.load(module_name(), [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                                  extra_ldflags=["-fopenmp"], build_directory=str(where))
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path, timeout_s: float = BUILD_WAIT_S) -> Iterator[None]:
+    """Hold an exclusive flock on `path`; waits for another process's build, up to `timeout_s`."""
+    with open(path, "a") as held:
+        deadline, said = time.monotonic() + timeout_s, False
+        while True:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process held {path} for {timeout_s:g} s") from None
+                if not said:
+                    log.info("waiting for another process's build of the fused CPU ops (%s)", path)
+                    said = True
+                time.sleep(0.2)
+        yield  # the lock goes with the file's close
 
 
 def _prebuilt():

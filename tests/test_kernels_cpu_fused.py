@@ -352,3 +352,24 @@ def test_a_module_built_elsewhere_for_this_source_is_loaded_without_building(ext
     done = run()
     assert done.stdout.split(maxsplit=1) == [str(prebuilt / f"{cpu_fused.module_name()}.so"), "[1, 0]\n"], done.stderr
     assert not (tmp_path / "empty-cache").exists()  # nothing was built
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_not_waited_for(ext, tmp_path):
+    """torch guards a build with a `lock` file it removes at the end; a process killed while
+    building leaves it, and torch's next build of the name waits for it forever (seen here: a
+    worker killed mid-build, and every later start hung without a log line). `build` takes its
+    own flock first, so a `lock` it finds is stale: it goes, and the build proceeds."""
+    from torch.utils import cpp_extension
+    where = tmp_path / "build"
+    cached = Path(cpp_extension._get_build_directory(cpu_fused.module_name(), verbose=False))
+    if (cached / f"{cpu_fused.module_name()}.so").exists():
+        shutil.copytree(cached, where, ignore=shutil.ignore_patterns("lock", cpu_fused.BUILD_LOCK))  # current: no compile
+    where.mkdir(exist_ok=True)
+    (where / "lock").touch()  # as a killed build leaves it
+    probe = ("import sys; from pathlib import Path; from baton.kernels import cpu_fused; "
+             "print(cpu_fused.build(Path(sys.argv[1])).__file__)")
+    done = subprocess.run([sys.executable, "-c", probe, str(where)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(where / f"{cpu_fused.module_name()}.so")
+    assert "left by a build of the fused CPU ops that did not finish" in done.stderr
+    assert not (where / "lock").exists()
