@@ -87,8 +87,8 @@ def account(switches: Iterable[Switch], watched: set[int]) -> tuple[dict[int, Th
             cpu, waited_since = waiting.pop(s.next)
             times[s.next].waiting_s += s.t - waited_since
             if cpu != s.cpu and cpu in running:  # resumed elsewhere: the part of the run it waited through
-                tid, since = running[cpu]
-                times[s.next].instead[tid] += s.t - max(since, waited_since)
+                runner, run_since = running[cpu]
+                times[s.next].instead[runner] += s.t - max(run_since, waited_since)
         running[s.cpu] = (s.next, s.t)
     return times, per_cpu, (last - first) if first is not None else 0.0
 
