@@ -166,12 +166,14 @@ class ReserveRequest(Message):
     prefill_worker_id: WorkerId  # the only NIXL peer whose WRITEs this reservation accepts
     components: list[str]  # component names ("owner/kind") the transfer plan writes
     draft_state: Literal["none", "transfer", "rebuild", "cold"]  # the plan's: how the draft window starts
+    prefill_here: bool = False  # decode may compute the prompt itself if nothing else runs there (no transfer)
 
 
 class ReserveReply(Message):
     request_id: RequestId
     decode_worker_id: WorkerId
     allocation: dict  # the KV library's allocation record (pages, ring slots), plain data
+    prefilled_here: bool = False  # decode computes the prompt itself: prefill is not needed
 
 
 class ReleaseRequest(Message):

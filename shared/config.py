@@ -130,6 +130,10 @@ class RouterSection:
     prefix_affinity: float = key(1.0, "weight of a prefill worker's cached prompt prefix against its queued tokens "
                                       "when picking one (cost: queued + prompt - weight * overlap); 0: load only",
                                  between(0))
+    prefill_on_decode_tokens: int = key(256, "a prompt of at most this many tokens that no worker holds a prefix of "
+                                             "is prefilled by its decode worker itself when nothing else runs there "
+                                             "(conditional disaggregation: no hand-off, and no stream waits behind "
+                                             "it); 0: every prompt on a prefill worker", between(0))
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,8 @@ class ServiceMetrics:
             self.turn_entries = Gauge("baton_turn_cache_entries", "Finished prompts held by the turn cache",
                                       registry=r)
             self.turn_evictions = Counter("baton_turn_cache_evictions", "Turn cache entries evicted", registry=r)
+            self.prefilled_here = Counter("baton_decode_prefilled_here", "Prompts decode computed itself, on an "
+                                          "idle decode (router.prefill_on_decode_tokens): no transfer", registry=r)
         if role == "registry":
             self.workers = Gauge("baton_workers", "Registered workers", ["role"], registry=r)
             self.expired = Counter("baton_worker_leases_expired", "Workers dropped on lease expiry", registry=r)

@@ -22,12 +22,18 @@ from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
 from baton.up import Cluster, start_cluster, wait_http_ready, wait_ready
 
 
+HAND_OFF_ALWAYS = {"BATON_ROUTER_PREFILL_ON_DECODE_TOKENS": "0"}  # no prompt is prefilled on its decode worker
+
+
 @contextlib.contextmanager
 def running_cluster(nats_url: str | None = None, prefill: int = 1, decode: int = 1, worker_args: list[str] = (),
                     auth: bool = False, warm_up: bool = True, model: Path = DEFAULT_MODEL_DIR,
                     env: dict[str, str] = {}, http_port: int | None = None):
     """Registry, router, prefill and decode processes (and the HTTP door on `http_port`) on
-    `nats_url` or a nats-server of their own; `env` is set for the services' start."""
+    `nats_url` or a nats-server of their own; `env` is set for the services' start. Every prompt
+    goes through prefill and the hand-off (`HAND_OFF_ALWAYS`), which is what these tests are
+    about, unless `env` says otherwise."""
+    env = {**HAND_OFF_ALWAYS, **env}
     log_dir = tempfile.mkdtemp(prefix="baton-test-")
     args = argparse.Namespace(model=model, prefill=prefill, decode=decode, log_dir=log_dir, nats_url=nats_url,
                               nats_port=None, http=http_port is not None, http_host="127.0.0.1", http_port=http_port)

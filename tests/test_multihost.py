@@ -36,7 +36,7 @@ from baton.proto.public import GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
 import multihost
 from baton.services.registry.service import BUCKET
-from e2e_cluster import Reference, until, wait_all_free, window_prompts, worker_loads
+from e2e_cluster import HAND_OFF_ALWAYS, Reference, until, wait_all_free, window_prompts, worker_loads
 
 REASON = multihost.available()
 pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.timeout(600),
@@ -49,8 +49,9 @@ UNARY_TIMEOUT_S = 180.0  # a unary reply comes whole at the end: a fault's lengt
 # still driving is told apart from one nobody answers. A stream moved off a silent decode is
 # silent to its client for up to idle + queue + first token (20 + 30 + 30 s: the router sends
 # nothing while it moves a request), so the client's silence limit must be above their sum.
+# Every prompt crosses the hosts (none is prefilled on its decode worker: HAND_OFF_ALWAYS).
 ROUTER_ENV = {"BATON_ROUTER_IDLE_TIMEOUT_S": "20", "BATON_ROUTER_MAX_QUEUE_S": "30",
-              "BATON_ROUTER_FIRST_TOKEN_TIMEOUT_S": "30"}
+              "BATON_ROUTER_FIRST_TOKEN_TIMEOUT_S": "30", **HAND_OFF_ALWAYS}
 LOAD_TIMEOUT_S = 300.0  # a whole load, every request of it ended
 
 

@@ -6,10 +6,11 @@ from types import SimpleNamespace
 import pytest
 
 from baton.proto.errors import BatonError, ErrorCode, NotListening
-from baton.proto.internal import Ack, CachedPrefix, PrefillDone, PrefixEvents, SamplingParams, TokenChunk
+from baton.proto.internal import Ack, CachedPrefix, PrefillDone, PrefixEvents, ReserveReply, SamplingParams, TokenChunk
 from baton.proto.public import Logprobs, SpecStats, Timing
 from baton.services.router.affinity import PrefixAffinity
-from baton.services.router.flow import AttemptLost, DecodeLost, Flow, NoCapacity, RouterTimeouts, continued
+from baton.services.router.flow import (AttemptLost, DecodeLost, Flow, NoCapacity, RouterPolicy, RouterTimeouts,
+                                        continued)
 from baton.shared.kv.prefix_hash import digests
 
 pytestmark = pytest.mark.unit
@@ -473,3 +474,62 @@ def test_a_prefill_that_never_replies_delays_the_end_of_a_finished_request_only_
     f, got = asyncio.run(run())
     assert got == [[5]] and f.outcome.finish_reason == "length" and f.prefill_done is None
     assert "prefill's reply did not come within 0.2 s" in caplog.text
+
+
+@pytest.mark.parametrize("prompt, sampling, limit, cached, asked", [
+    ([1] * 8, SamplingParams(), 8, 0, True),
+    ([1] * 9, SamplingParams(), 8, 0, False),  # longer than the limit
+    ([1] * 8, SamplingParams(), 0, 0, False),  # turned off
+    ([1] * 8, SamplingParams(prompt_logprobs=1), 8, 0, False),  # prefill's reply carries them
+    ([1] * 8, SamplingParams(), 8, 4, False),  # the picked prefill holds a prefix: cheaper there
+])
+def test_a_short_prompt_nobody_holds_a_prefix_of_may_be_prefilled_on_decode(prompt, sampling, limit, cached, asked):
+    f = Flow(None, None, None, RouterTimeouts(), "r", prompt, 4, sampling, None, RouterPolicy(limit))
+    f._prefill_work = len(prompt) - cached  # as _pick_prefill leaves it
+    assert f._may_prefill_on_decode() is asked
+
+
+class Reserving(Recorder):
+    """A bus whose decode answers a reservation, prefilling the prompt itself when asked to."""
+
+    async def request(self, subject, message, reply_cls, timeout, joined_at=None):
+        self.sent.append((subject, message))
+        if subject.endswith(".reserve"):
+            return ReserveReply(request_id="r", decode_worker_id="d", allocation={},
+                                prefilled_here=message.prefill_here)
+        return Ack()
+
+
+class BusyDecode(OneDecode):
+    def outstanding(self, worker_id: str) -> int:
+        return 1  # this router has a request on it already
+
+
+@pytest.mark.parametrize("directory, asked", [(OneDecode(), True), (BusyDecode(), False)])
+def test_decode_is_asked_to_prefill_only_when_this_router_has_nothing_on_it(directory, asked):
+    f = Flow(Reserving(), directory, None, RouterTimeouts(), "r", [1, 2], 4, SamplingParams(), None)
+    reply, _ = asyncio.run(f._reserve("p", ask_to_prefill=True))
+    (subject, reserve), = f.bus.sent
+    assert reserve.prefill_here is asked and reply.prefilled_here is asked
+
+
+def test_an_attempt_that_decode_prefills_sends_nothing_to_prefill():
+    """Decode took the prompt: no dispatch, no target, and no release to prefill at its end."""
+    class Both(OneDecode):
+        affinity = PrefixAffinity()
+
+        async def known(self, role: str) -> list:
+            if role == "prefill":
+                return Prefills(p=(0, False)).workers
+            return await super().known(role)
+
+    async def run():
+        f = Flow(Reserving(), Both(), SimpleNamespace(open=lambda events: "_INBOX.x.1", close=lambda s: None),
+                 RouterTimeouts(), "r", [1, 2], 4, SamplingParams(), None)
+        await f._admit()
+        assert f.prefill_id is None and f.decode_id == "d" and f.served_by == "d (prefilled there)"
+        f.outcome.finish_reason = "length"
+        await f._end_attempt("done")
+        return f.bus.sent
+    sent = asyncio.run(run())
+    assert [subject.rsplit(".", 1)[1] for subject, _ in sent] == ["reserve"]

@@ -3,6 +3,10 @@ notifications + the tag in the aux row), then generate with continuous batching:
 advances all active requests in one batched forward (draft -> verify -> accept with speculation)
 and streams each request's new tokens to the router.
 
+A reservation that asks decode to prefill the prompt itself (`prefill_here`) gets it when nothing
+else runs here: the engine thread then computes the prompt as prefill would have, with no transfer
+to wait for, and no other stream waits behind it.
+
 Slot lifetime: reserved at `reserve`; freed when a request finishes, or, for a request that never
 started, only when its transfer is known to be over (arrivals RELEASE event), so a late WRITE can
 never land in a reused slot.
@@ -59,6 +63,7 @@ class Request:
     started: bool = False  # the engine thread took it into the batch
     failed: bool = field(default=False)
     at: Stamps = field(default_factory=Stamps)
+    prefill: Sequence | None = None  # decode computes the prompt itself: the sequence prefill would sample from
 
 
 class DecodeWorker(Worker):
@@ -141,36 +146,52 @@ class DecodeWorker(Worker):
         if tag in self.requests:
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {msg.request_id} is already reserved here")
         positions = reservation(len(seq.prompt), seq.max_tokens, self.config.worker.draft_tokens)
-        await self._ensure_peer(msg.prefill_worker_id)
+        here = msg.prefill_here and s.prompt_logprobs is None and self._all_ending()
+        if not here:
+            await self._ensure_peer(msg.prefill_worker_id)
         try:  # bookkeeping, on the loop: it never waits behind a decode step on the engine thread
-            alloc = self._allocate(msg.request_id, positions, seq.prompt)
+            alloc = self._allocate(msg.request_id, positions, seq.prompt, here)
         except OutOfCapacity as exc:  # room may come back: the router's queue waits for it
             raise BatonError(ErrorCode.BUSY, f"decode {self.config.worker.id}: {exc}") from None
         except KVError as exc:  # more than this worker could ever hold: waiting would not help
             raise BatonError(ErrorCode.TOO_LARGE, f"decode {self.config.worker.id}: {exc}") from None
         self.requests_total += 1
         draft_state = self._draft_state(msg.draft_state)
-        self.requests[tag] = Request(seq, msg.stream_subject, draft_state, time.monotonic(),
-                                     self.store.aux[0, alloc.slot].data_ptr(), at=at)
+        req = self.requests[tag] = Request(seq, msg.stream_subject, draft_state, time.monotonic(),
+                                           self.store.aux[0, alloc.slot].data_ptr(), at=at)
         at.mark("reserved")
-        self.agent.arrivals.expect(tag, msg.prefill_worker_id, [c for c in msg.components if c != "aux/AUX"],
-                                   alloc.slot * self.store.aux_layout.item_bytes,
-                                   self.config.worker.transfer_deadline_s)
+        if here:
+            self.metrics.prefilled_here.inc()
+            req.prefill = Sequence(msg.request_id, list(msg.token_ids), 1, SamplingParams.of(s, s.seed),
+                                   output_in_prompt=s.output_in_prompt, device=self.store.device)  # as prefill's
+            req.arrived = True  # nothing to wait for: the engine thread computes it before its next step
+            self._joining.append(req)
+            self._wake()
+        else:
+            self.agent.arrivals.expect(tag, msg.prefill_worker_id, [c for c in msg.components if c != "aux/AUX"],
+                                       alloc.slot * self.store.aux_layout.item_bytes,
+                                       self.config.worker.transfer_deadline_s)
         await self._publish_turns()  # turns evicted for its room
         return ReserveReply(request_id=msg.request_id, decode_worker_id=self.config.worker.id,
-                            allocation=to_plain(alloc))
+                            allocation=to_plain(alloc), prefilled_here=here)
 
-    def _allocate(self, request_id: str, positions: int, prompt: list[int]):
+    def _all_ending(self) -> bool:
+        """Nothing runs or waits to run here: every request held is ending."""
+        return all(r.seq.finish_reason or r.abort for r in self.requests.values())
+
+    def _allocate(self, request_id: str, positions: int, prompt: list[int], here: bool):
         """Reserve every position the request may write, its first pages from the turn cache when
         the prompt repeats a finished one (`allocation.reused`: prefill sends FULL from there); the
         prompt's positions are the ones prefill will fill, so they count as written (the plan
-        checks this). Runs on the event loop while the engine thread may be stepping other
+        checks this). A prompt computed `here` reuses nothing and its positions are written by
+        that prefill. Runs on the event loop while the engine thread may be stepping other
         requests: see KVStore on the two owners."""
         if self.turns is None:
             self.store.allocate(request_id, positions)
         else:
-            self.metrics.turn_reused.inc(self.turns.allocate(request_id, prompt, positions))
-        self.store.extend(request_id, len(prompt))
+            self.metrics.turn_reused.inc(self.turns.allocate(request_id, [] if here else prompt, positions))
+        if not here:
+            self.store.extend(request_id, len(prompt))
         return self.store.allocation(request_id)
 
     async def prefixes(self, _query: PrefixQuery) -> PrefixEvents:
@@ -264,8 +285,12 @@ class DecodeWorker(Worker):
         req.at.mark("first_chunk")
 
     def _start(self, req: Request) -> None:
-        """Engine thread: read the aux row prefill wrote and hand the request to the step loop."""
+        """Engine thread: read the aux row prefill wrote (or prefill here) and hand the request to
+        the step loop."""
         seq = req.seq
+        if req.prefill is not None:
+            self._prefill_here(req)
+            return
         L = len(seq.prompt)
         rows = min(L, self.store.aux_layout.hidden_rows) if req.draft_state == "rebuild" else 1
         record = unpack_aux(self.store.aux_row(seq.request_id), self.store.aux_layout, max_rows=rows)
@@ -273,6 +298,16 @@ class DecodeWorker(Worker):
             self.runner.start_decode(seq, record.first_token, record.hidden, req.draft_state)
         else:
             self.runner.start_decode(seq, record.first_token, record.hidden[-1:], "cold")
+
+    def _prefill_here(self, req: Request) -> None:
+        """Engine thread: compute the prompt as prefill does (its first token drawn with the
+        request's own seed, its draft window when that travels) and start decoding it."""
+        out, = self.runner.prefill([req.prefill])
+        if req.draft_state == "transfer":
+            self.runner.fill_draft_windows([req.prefill], [out])
+        rows = self.runner.window if req.draft_state == "rebuild" else 1
+        state = req.draft_state if self.spec.enabled else "cold"
+        self.runner.start_decode(req.seq, out.first_token, out.hidden[-rows:], state)
 
     # --- decode loop ----------------------------------------------------------------------
     async def _step_loop(self) -> None:
@@ -374,7 +409,7 @@ class DecodeWorker(Worker):
             else:
                 await self._finish(tag, req, req.seq.finish_reason or req.released_as)
         for req in second:
-            if req.seq.logprobs is not None:
+            if req.seq.logprobs is not None or req.prefill is not None:
                 await self._publish_first(req, req.seq.output[0])
 
     async def _idle(self) -> None:
@@ -402,7 +437,8 @@ class DecodeWorker(Worker):
         if stats.verify_steps:
             self.metrics.acceptance_length.observe(stats.acceptance_length())
         log_request("decode", req.seq.request_id, outcome=reason, completion_tokens=len(req.seq.output),
-                    draft_state=req.draft_state, at=req.at, **stats.as_dict())
+                    draft_state=req.draft_state, prefilled_here=req.prefill is not None, at=req.at,
+                    **stats.as_dict())
         self.store.free(req.seq.request_id)  # between steps: no step holds it
         self.requests.pop(tag, None)
 

@@ -4,6 +4,11 @@
     decode slots (decode will stream TokenChunks to our token inbox) -> tell prefill the target
     (the reservation and the plan) -> relay tokens as they come.
 
+A short prompt that no worker holds a prefix of (`RouterPolicy.prefill_on_decode_tokens`) first
+asks decode to compute it itself: decode does when nothing else runs there, and the attempt skips
+prefill and the hand-off (conditional disaggregation); else it reserved as usual and the dispatch
+follows.
+
 Everything the flow waits for (tokens, the prefill reply, a cancel, the deadline) arrives on one
 queue, so whichever comes first decides, and every exit releases what was reserved.
 """
@@ -54,6 +59,16 @@ class RouterTimeouts:
                    idle_s=router.idle_timeout_s, control_s=router.control_timeout_s)
 
 
+@dataclass(frozen=True)
+class RouterPolicy:
+    """The [router] section's choices for one request's path (`of`)."""
+    prefill_on_decode_tokens: int = RouterSection.prefill_on_decode_tokens  # 0: always on a prefill worker
+
+    @classmethod
+    def of(cls, router: RouterSection) -> RouterPolicy:
+        return cls(prefill_on_decode_tokens=router.prefill_on_decode_tokens)
+
+
 class AttemptLost(Exception):
     """The current attempt failed before its first token (prefill or its transfer lost, a worker
     gone): nothing reached the client yet, so the request may start over on another pair.
@@ -95,9 +110,9 @@ def plan_components(plan: dict) -> list[str]:
 class Flow:
     def __init__(self, bus: Bus, directory: Directory, tokens: TokenInbox, timeouts: RouterTimeouts,
                  request_id: str, token_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                 admission: AdmissionQueue) -> None:
+                 admission: AdmissionQueue, policy: RouterPolicy = RouterPolicy()) -> None:
         self.bus, self.directory, self.token_inbox, self.timeouts = bus, directory, tokens, timeouts
-        self.admission = admission
+        self.admission, self.policy = admission, policy
         self.request_id, self.token_ids, self.max_tokens, self.sampling = request_id, token_ids, max_tokens, sampling
         self.attempt_id = request_id  # the id decode and prefill see; a retry gets a fresh one
         self.served_by = ""  # "prefill->decode" of the last attempt, for the request log
@@ -220,6 +235,7 @@ class Flow:
         self.attempt_id = f"{self.request_id[:52]}-try{self._attempts}"
 
     async def _end_attempt(self, reason: str) -> None:
+        dispatched = self._prefill_task is not None
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
@@ -228,7 +244,7 @@ class Flow:
             self._unhold(worker_id)
         if self.outcome.finish_reason not in ("length", "stop"):
             await self._release(reason)
-        if self.prefill_id is not None and not self._targeted:
+        if self.prefill_id is not None and dispatched and not self._targeted:
             await self._release_on(subjects.prefill_release(self.prefill_id), self.prefill_id, reason)
         self.token_inbox.close(self.stream_subject)
         self.decode_id = self.prefill_id = None
@@ -250,12 +266,30 @@ class Flow:
         self.stream_subject = self.token_inbox.open(self.events)
         self.prefill_id = self._pick_prefill(await self.directory.known("prefill"))
         self.workers[self.prefill_id] = "prefill"
+        if self._may_prefill_on_decode():
+            reservation, plan = await self._reserve(self.prefill_id, ask_to_prefill=True)
+            if reservation.prefilled_here:
+                self.prefill_id, self._prefilled = None, True  # nothing to dispatch, target or release there
+                self.served_by = f"{self.decode_id} (prefilled there)"
+                return
+            self._dispatch()
+        else:
+            self._dispatch()
+            await asyncio.sleep(0)  # the dispatch (the critical path) goes out before the reservation
+            reservation, plan = await self._reserve(self.prefill_id)
+        await self._target(reservation, plan)
+
+    def _dispatch(self) -> None:
         self._hold(self.prefill_id, self._prefill_work)  # counted now, so concurrent picks spread out
         self._prefill_task = asyncio.create_task(self._prefill(self.prefill_id), name=f"prefill {self.request_id}")
         self._tasks.append(self._prefill_task)
-        await asyncio.sleep(0)  # the dispatch (the critical path) goes out before the reservation
-        reservation, plan = await self._reserve(self.prefill_id)
-        await self._target(reservation, plan)
+
+    def _may_prefill_on_decode(self) -> bool:
+        """A short prompt that the picked prefill holds no prefix of (a cached one is cheaper
+        there), without prompt logprobs (prefill's reply carries those): decode may compute it."""
+        n = len(self.token_ids)
+        return (0 < n <= self.policy.prefill_on_decode_tokens and self._prefill_work == n
+                and self.sampling.prompt_logprobs is None)
 
     def _mark_gone(self, worker_id: str) -> None:
         """`worker_id` did not answer: no one listens on its subjects (NotListening)."""
@@ -292,7 +326,10 @@ class Flow:
             self._chains = (self.token_ids, {})
         return self._chains[1]
 
-    async def _reserve(self, prefill_id: str) -> tuple[ReserveReply, dict]:
+    async def _reserve(self, prefill_id: str, ask_to_prefill: bool = False) -> tuple[ReserveReply, dict]:
+        """A reservation on the first decode that has room. With `ask_to_prefill`, one that this
+        router has nothing in flight on and whose turn cache holds no prefix of the prompt is asked
+        to compute the prompt itself (its reply says whether it does)."""
         turns = self.directory.turns.overlap(self.token_ids, self._digests())  # decodes holding its last turn
         decodes = sorted(self._prefer_others(await self.directory.known("decode")),  # free slots first, then least loaded
                          key=lambda w: (w.load.free_slots == 0, self.directory.outstanding(w.registration.worker_id)
@@ -305,6 +342,7 @@ class Flow:
         for worker in decodes:
             decode_id = worker.registration.worker_id
             self.workers[decode_id] = "decode"
+            here = ask_to_prefill and self.directory.outstanding(decode_id) == 0 and not turns.get(decode_id)
             self._hold(decode_id, 1)
             try:
                 plan = await self.directory.plan(prefill_id, decode_id)
@@ -313,7 +351,7 @@ class Flow:
                     request_id=self.attempt_id, token_ids=self.token_ids, max_tokens=self.max_tokens,
                     sampling=self.sampling, stream_subject=self.stream_subject, prefill_worker_id=prefill_id,
                     components=plan_components(plan),
-                    draft_state=plan["draft_state"]), ReserveReply, timeout=self.timeouts.control_s,
+                    draft_state=plan["draft_state"], prefill_here=here), ReserveReply, timeout=self.timeouts.control_s,
                     joined_at=self.directory.joined_at(decode_id))
             except BatonError as exc:
                 self._unhold(decode_id)

@@ -17,7 +17,7 @@ from baton.shared.model.tokenizer import TextTokenizer
 from .admission import AdmissionQueue
 from .affinity import PrefixAffinity
 from .directory import Directory
-from .flow import Flow, RouterTimeouts
+from .flow import Flow, RouterPolicy, RouterTimeouts
 from .public import PublicAPI
 from .tokens import TokenInbox
 
@@ -55,7 +55,7 @@ class Router:
     async def _open_flow(self, request_id: str, ids: list[int], max_tokens: int, sampling: SamplingParams) -> Flow:
         """What drives one request through the cluster."""
         return Flow(self.bus, self.directory, self.tokens, self.timeouts, request_id, ids, max_tokens, sampling,
-                    self.admission)
+                    self.admission, RouterPolicy.of(self.config))
 
     def _decode_slots(self) -> int:
         """Requests the decode workers can hold at once, all together; 0 while no prefill or no
