@@ -5,7 +5,11 @@
 
 (a) disaggregated: a nats-server plus registry, router, prefill and decode processes, as `baton up`
     starts them (baton/up.py start_cluster); prefill and decode get --threads torch threads each
-    and, where the machine has a core for each, cores of their own (`engine_cpus`).
+    and, where the machine has a core for each, cores of their own (`engine_cpus`). With the
+    router's default `prefill_on_decode_tokens` (256), a short prompt that arrives while decode
+    runs nothing is prefilled by decode itself (at c = 1, nearly every one);
+    `BATON_ROUTER_PREFILL_ON_DECODE_TOKENS=0 python bench/sweep.py ...` sends every prompt
+    through prefill and the hand-off.
 (b) aggregated: one process doing prefill and decode on one store
     (`python -m baton.services.aggregated`), with --agg-threads torch threads (default: --threads,
     like each disaggregated engine process), on the cores the disaggregated decode gets.
