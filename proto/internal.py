@@ -222,6 +222,8 @@ class PrefillDispatch(Message):
     sampling: SamplingParams
     first_token_to: Subject | None = None  # publish the first token there as soon as it is sampled
     # (a TokenChunk from "prefill"), before the state is written: the request's stream subject
+    cache_only: bool = False  # decode prefills this prompt itself: compute it only to keep it in the
+    # prefix cache (for the conversation's next turn); no target follows, the reply comes once it is kept
 
 
 class PrefillTarget(Message):

@@ -2,7 +2,9 @@
 short prompt that no worker holds a prefix of is prefilled by its decode worker when nothing else
 runs there, and the reply is the one the hand-off gives: greedy equal to `transformers` at every
 length around the sliding window, a seeded sampled reply equal to the same request's through
-prefill, logprobs included. Decode refuses to prefill while it holds another request."""
+prefill, logprobs included; the next turn of a conversation starts from prefill's prefix cache,
+which computed the first turn off its path. Decode refuses to prefill while it holds another
+request."""
 import asyncio
 import functools
 
@@ -35,7 +37,8 @@ def reference() -> Reference:
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
-    return heldout_prompts(TextTokenizer.load(DEFAULT_MODEL_DIR), 1, n, seed=1000 + n + seed)[0]
+    """A held-out prompt of n tokens; no two (n, seed) share a beginning (a cached prefix)."""
+    return heldout_prompts(TextTokenizer.load(DEFAULT_MODEL_DIR), 1, n, seed=1000 + n + 10_000 * seed)[0]
 
 
 async def generate(bus: Bus, **fields) -> GenerateReply:
@@ -113,6 +116,27 @@ def test_a_seeded_sampled_reply_is_the_same_prefilled_on_decode_or_through_prefi
     assert beside.logprobs.token_ids == alone.logprobs.token_ids == alone.token_ids
     assert beside.logprobs.top_ids == alone.logprobs.top_ids
     assert beside.logprobs.logprobs == pytest.approx(alone.logprobs.logprobs, abs=1e-5)
+
+
+def test_the_next_turn_after_one_prefilled_on_decode_starts_from_prefills_cache(cluster):
+    """Prefill computed the first turn too, off its path, for its prefix cache: the next turn
+    (the prompt, the reply and new tokens, over the limit) starts there from the first turn's
+    end, and both replies equal transformers'."""
+    first = prompt(W + 3, seed=3)
+
+    async def run():
+        async with await Bus.connect(cluster.nats_url, "test") as bus:
+            counted = prefilled_here(cluster)
+            one = await generate(bus, token_ids=first, max_tokens=MAX_TOKENS)
+            assert prefilled_here(cluster) == counted + 1
+            await wait_all_free(cluster.nats_url)  # prefill's copy is computed and kept (its routers told)
+            second = first + one.token_ids + prompt(LIMIT, seed=4)
+            return one, second, await generate(bus, token_ids=second, max_tokens=MAX_TOKENS)
+    one, second, two = asyncio.run(run())
+    assert one.usage.cached_tokens == 0 and two.usage.cached_tokens == len(first)
+    for p, reply in ((first, one), (second, two)):
+        want = reference().greedy(p, MAX_TOKENS)
+        assert reply.token_ids == want, reference().explain(p, reply.token_ids, want)
 
 
 def test_decode_does_not_prefill_while_it_holds_another_request(cluster):

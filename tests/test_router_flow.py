@@ -513,23 +513,37 @@ def test_decode_is_asked_to_prefill_only_when_this_router_has_nothing_on_it(dire
     assert reserve.prefill_here is asked and reply.prefilled_here is asked
 
 
-def test_an_attempt_that_decode_prefills_sends_nothing_to_prefill():
-    """Decode took the prompt: no dispatch, no target, and no release to prefill at its end."""
-    class Both(OneDecode):
-        affinity = PrefixAffinity()
+class Both(OneDecode):
+    """One prefill `p` and one decode `d`; this router has `busy` requests on each."""
+    affinity = PrefixAffinity()
 
-        async def known(self, role: str) -> list:
-            if role == "prefill":
-                return Prefills(p=(0, False)).workers
-            return await super().known(role)
+    def __init__(self, busy: int = 0) -> None:
+        super().__init__()
+        self.busy = busy
 
+    async def known(self, role: str) -> list:
+        if role == "prefill":
+            return Prefills(p=(0, False)).workers
+        return await super().known(role)
+
+    def outstanding(self, worker_id: str) -> int:
+        return self.busy if worker_id == "p" else 0
+
+
+@pytest.mark.parametrize("busy", [0, 1])
+def test_an_attempt_that_decode_prefills_sends_prefill_only_the_prompt_to_keep_when_idle(busy):
+    """Decode took the prompt: no dispatch of the request, no target and no release to prefill;
+    an idle prefill gets the prompt to keep in its prefix cache, a busy one nothing."""
     async def run():
-        f = Flow(Reserving(), Both(), SimpleNamespace(open=lambda events: "_INBOX.x.1", close=lambda s: None),
+        f = Flow(Reserving(), Both(busy), SimpleNamespace(open=lambda events: "_INBOX.x.1", close=lambda s: None),
                  RouterTimeouts(), "r", [1, 2], 4, SamplingParams(), None)
         await f._admit()
         assert f.prefill_id is None and f.decode_id == "d" and f.served_by == "d (prefilled there)"
+        await asyncio.sleep(0)  # the cache dispatch goes out
         f.outcome.finish_reason = "length"
         await f._end_attempt("done")
         return f.bus.sent
     sent = asyncio.run(run())
-    assert [subject.rsplit(".", 1)[1] for subject, _ in sent] == ["reserve"]
+    assert [subject.rsplit(".", 2)[1:] for subject, _ in sent] == [["d", "reserve"]] + [["p", "dispatch"]] * (not busy)
+    if not busy:
+        assert sent[1][1].cache_only and sent[1][1].first_token_to is None and sent[1][1].token_ids == [1, 2]

@@ -8,7 +8,8 @@ thread (a batch takes up to `prefill_batch_tokens` prompt tokens, so a burst rea
 parts), stages each request whose target is known (aux row, descriptors), and starts one WRITE per
 request; a request whose target is still to come waits for it (or for its release, or
 the transfer deadline) holding its computed state. A request's own slots are freed only once its
-WRITE is finished or failed (nothing in flight), or it was released.
+WRITE is finished or failed (nothing in flight), or it was released. A `cache_only` dispatch (a
+prompt its decode worker computes itself) is computed and kept in the prefix cache, nothing else.
 """
 from __future__ import annotations
 
@@ -140,11 +141,15 @@ class PrefillWorker(Worker):
         if len(req.token_ids) >= context:  # the router checks too; a dispatch from elsewhere must not hold the engine
             raise BatonError(ErrorCode.BAD_REQUEST, f"request {req.request_id}: a prompt of {len(req.token_ids)} "
                              f"tokens leaves no room in the model's context of {context}")
+        if req.cache_only and self.cache is None:
+            return PrefillDone(request_id=req.request_id, first_token_id=0, transfer_bytes=0, prefill_ms=0.0,
+                               transfer_ms=0.0)  # no cache to keep it in
         job = Job(req, asyncio.get_running_loop().create_future())
         job.at.mark("received")
         self.jobs.add(job)
         self.queued_tokens += len(req.token_ids)
-        self.requests_total += 1
+        if not req.cache_only:  # work, not a request: decode serves that one
+            self.requests_total += 1
         self.queue.append(job)
         self._queued.set()
         try:
@@ -347,6 +352,9 @@ class PrefillWorker(Worker):
                        prefill_ms: float) -> None:
         """Send a computed request once its target is known; or drop it (released, deadline, a
         target that does not fit), freeing its slots."""
+        if job.dispatch.cache_only:
+            await self._kept(job, out, prefill_ms)
+            return
         if staged is None:
             staged, prefill_ms = await self._stage_when_targeted(job, seq, out, prefill_ms)
         if isinstance(staged, BatonError):
@@ -354,6 +362,18 @@ class PrefillWorker(Worker):
             _fail(job, staged)
             return
         await self._send(job, job.target, out, staged, prefill_ms)
+
+    async def _kept(self, job: Job, out: PrefillOutput, prefill_ms: float) -> None:
+        """A cache-only request: the batcher has queued its prompt into the prefix cache
+        (`_cache_prompts`, ahead of this free); nothing goes to decode."""
+        await self.engine.call(self._free, job.request_id)
+        self.metrics.requests.labels("cached").inc()
+        log_request("prefill", job.request_id, outcome="cached", prompt_tokens=len(job.dispatch.token_ids),
+                    prefill_ms=round(prefill_ms, 2), at=job.at)
+        if not job.done.done():
+            job.done.set_result(PrefillDone(request_id=job.request_id, first_token_id=out.first_token,
+                                            transfer_bytes=0, prefill_ms=prefill_ms, transfer_ms=0.0,
+                                            cached_tokens=job.cached_tokens))
 
     async def _stage_when_targeted(self, job: Job, seq: Sequence, out: PrefillOutput,
                                    prefill_ms: float) -> tuple[list[Descriptor] | BatonError, float]:

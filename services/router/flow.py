@@ -7,7 +7,9 @@
 A short prompt that no worker holds a prefix of (`RouterPolicy.prefill_on_decode_tokens`) first
 asks decode to compute it itself: decode does when nothing else runs there, and the attempt skips
 prefill and the hand-off (conditional disaggregation); else it reserved as usual and the dispatch
-follows.
+follows. A prompt decode computes is also sent to the picked prefill, if this router has nothing
+there, to compute off the request's path and keep in its prefix cache, so that a conversation's
+next turn starts from it there as it would have.
 
 Everything the flow waits for (tokens, the prefill reply, a cancel, the deadline) arrives on one
 queue, so whichever comes first decides, and every exit releases what was reserved.
@@ -269,6 +271,7 @@ class Flow:
         if self._may_prefill_on_decode():
             reservation, plan = await self._reserve(self.prefill_id, ask_to_prefill=True)
             if reservation.prefilled_here:
+                self._keep_in_prefix_cache(self.prefill_id)
                 self.prefill_id, self._prefilled = None, True  # nothing to dispatch, target or release there
                 self.served_by = f"{self.decode_id} (prefilled there)"
                 return
@@ -283,6 +286,22 @@ class Flow:
         self._hold(self.prefill_id, self._prefill_work)  # counted now, so concurrent picks spread out
         self._prefill_task = asyncio.create_task(self._prefill(self.prefill_id), name=f"prefill {self.request_id}")
         self._tasks.append(self._prefill_task)
+
+    def _keep_in_prefix_cache(self, prefill_id: str) -> None:
+        """Decode computes the prompt; an idle prefill computes it too, only for its prefix cache
+        (the next turn of a conversation extends this prompt). Nothing waits for it."""
+        if self.directory.outstanding(prefill_id):
+            return  # busy with this router's prompts: the cache would cost them time
+
+        async def keep() -> None:
+            try:
+                await self.bus.request(subjects.prefill_dispatch(prefill_id), PrefillDispatch(
+                    request_id=f"{self.request_id[:52]}-cache{self._attempts}", token_ids=self.token_ids,
+                    sampling=self.sampling, cache_only=True), PrefillDone, timeout=self.timeouts.first_token_s,
+                    joined_at=self.directory.joined_at(prefill_id))
+            except BatonError as exc:  # the request does not depend on it
+                log.info("request %s: prefill did not keep the prompt in its cache: %s", self.request_id, exc)
+        self._tasks.append(asyncio.create_task(keep(), name=f"cache {self.request_id}"))
 
     def _may_prefill_on_decode(self) -> bool:
         """A short prompt that the picked prefill holds no prefix of (a cached one is cheaper
