@@ -14,6 +14,7 @@ from baton.proto import subjects
 from baton.proto.internal import Ack, ReleaseRequest, ReserveReply, ReserveRequest, SamplingParams
 from baton.proto.public import GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
+from baton.shared.config import WorkerSection
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
 from baton.shared.model.heldout import heldout_prompts
 from baton.shared.model.tokenizer import TextTokenizer
@@ -43,6 +44,19 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 async def generate(bus: Bus, **fields) -> GenerateReply:
     return await bus.request(subjects.GENERATE, GenerateRequest(**fields), GenerateReply, timeout=300)
+
+
+def check_greedy(lengths: list[int], replies: list[GenerateReply], k: int | None) -> None:
+    """Each reply equals transformers' greedy generate whole, finish reason included; k drafts a
+    verify step (None: speculation off)."""
+    for n, reply in zip(lengths, replies):
+        want = reference().greedy(prompt(n), MAX_TOKENS)
+        assert reply.token_ids == want, reference().explain(prompt(n), reply.token_ids, want)
+        assert reply.finish_reason == ("stop" if len(want) < MAX_TOKENS else "length")
+        if k is None:
+            assert reply.spec.verify_steps == reply.spec.drafted == 0
+        else:
+            assert reply.spec.drafted == k * reply.spec.verify_steps > 0
 
 
 def prefilled_by_prefill(loads: dict) -> int:
@@ -79,11 +93,7 @@ def test_short_prompts_on_an_idle_decode_skip_prefill_and_stay_exact(cluster):
             after = await taken(cluster.nats_url)
         return replies, long, before, between, after
     replies, long, before, between, after = asyncio.run(run())
-    for n, reply in zip(lengths + [LIMIT + 1], replies + [long]):
-        want = reference().greedy(prompt(n), MAX_TOKENS)
-        assert reply.token_ids == want, reference().explain(prompt(n), reply.token_ids, want)
-        assert reply.finish_reason == ("stop" if len(want) < MAX_TOKENS else "length")
-        assert reply.spec.verify_steps > 0
+    check_greedy(lengths + [LIMIT + 1], replies + [long], WorkerSection().draft_tokens)
     assert between == (before[0] + len(lengths), before[1]), (before, between)  # none through prefill
     assert after == (between[0] + 1, between[1] + 1), (between, after)  # the long one through prefill
     assert prefilled_here(cluster) == counted + len(lengths)
@@ -184,11 +194,4 @@ def test_prefilled_on_decode_stays_exact_in_every_draft_state_mode(worker_args, 
                 return [await generate(bus, token_ids=prompt(n), max_tokens=MAX_TOKENS) for n in lengths]
         replies = asyncio.run(run())
         assert prefilled_here(cluster) == counted + len(lengths)
-    for n, reply in zip(lengths, replies):
-        want = reference().greedy(prompt(n), MAX_TOKENS)
-        assert reply.token_ids == want, reference().explain(prompt(n), reply.token_ids, want)
-        assert reply.finish_reason == ("stop" if len(want) < MAX_TOKENS else "length")
-        if k is None:
-            assert reply.spec.verify_steps == reply.spec.drafted == 0
-        else:
-            assert reply.spec.drafted == k * reply.spec.verify_steps > 0
+    check_greedy(lengths, replies, k)

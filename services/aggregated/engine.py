@@ -124,7 +124,6 @@ class AggregatedEngine:
         self.store = KVStore.for_worker(model.cfg, worker, draft_enabled=self.spec.enabled, dtype=model.dtype,
                                         device=model.device)
         self.runner = ModelRunner(model, self.store, self.spec, worker.prefill_chunk)
-        self.window = model.cfg.sliding_window
         self.thread = EngineThread()
         self.wake_latency = wake_latency.hold(worker.cpu_wake_latency_us)  # held until close()
         self.waiting: deque[Job] = deque()
@@ -261,17 +260,11 @@ class AggregatedEngine:
     # --- engine thread ------------------------------------------------------------------------
     def _prefill(self, batch: list[Job]) -> None:
         """Prefill the prompts and start decoding them, exactly as prefill + decode would."""
-        seqs = [j.seq for j in batch]
         state = self.spec.draft_state if self.spec.enabled else "cold"
-        outputs = self.runner.prefill(seqs)
-        if self.spec.enabled and state == "transfer":
-            self.runner.fill_draft_windows(seqs, outputs)
+        outputs = self.runner.prefill_and_start([j.seq for j in batch], state)
         for job, out in zip(batch, outputs):
-            seq = job.seq
-            tail = out.hidden[-self.window:] if state == "rebuild" else out.hidden[-1:]
-            self.runner.start_decode(seq, out.first_token, tail, state)
             job.prompt_logprobs = out.prompt_logprobs
-            seq.gen = job.decode_gen  # decode draws from its own stream (see submit)
+            job.seq.gen = job.decode_gen  # decode draws from its own stream (see submit)
 
     def _free(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -302,12 +302,8 @@ class DecodeWorker(Worker):
     def _prefill_here(self, req: Request) -> None:
         """Engine thread: compute the prompt as prefill does (its first token drawn with the
         request's own seed, its draft window when that travels) and start decoding it."""
-        out, = self.runner.prefill([req.prefill])
-        if req.draft_state == "transfer":
-            self.runner.fill_draft_windows([req.prefill], [out])
-        rows = self.runner.window if req.draft_state == "rebuild" else 1
         state = req.draft_state if self.spec.enabled else "cold"
-        self.runner.start_decode(req.seq, out.first_token, out.hidden[-rows:], state)
+        self.runner.prefill_and_start([req.seq], state, sampled_by=[req.prefill])
 
     # --- decode loop ----------------------------------------------------------------------
     async def _step_loop(self) -> None:

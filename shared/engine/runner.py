@@ -135,6 +135,21 @@ class ModelRunner:
         if chunks:  # only the K/V are wanted: no token's output projection or MLP runs
             self._draft(chunks, ids, torch.cat(prev), rows=self._host_index([]))
 
+    def prefill_and_start(self, seqs: list[Sequence], draft_state: str,
+                          sampled_by: list[Sequence] | None = None) -> list[PrefillOutput]:
+        """Prefill the prompts and start decoding them on this store, as prefill + decode would:
+        the draft windows as `draft_state` says (transfer: filled now; rebuild: from the prompt's
+        last W hidden states; cold). `sampled_by`: the sequences each first token is drawn with
+        (prefill's own; default `seqs`)."""
+        first = sampled_by or seqs
+        outputs = self.prefill(first)
+        if draft_state == "transfer":
+            self.fill_draft_windows(first, outputs)
+        rows = self.window if draft_state == "rebuild" else 1
+        for seq, out in zip(seqs, outputs):
+            self.start_decode(seq, out.first_token, out.hidden[-rows:], draft_state)
+        return outputs
+
     # --- decode start (what arrived from prefill) -------------------------------------------
     def start_decode(self, seq: Sequence, first_token: int, hidden_tail: torch.Tensor, draft_state: str) -> None:
         """hidden_tail: the last rows of the prompt's target hidden states; [1, d] for transfer
