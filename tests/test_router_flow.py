@@ -539,7 +539,7 @@ def test_an_attempt_that_decode_prefills_sends_prefill_only_the_prompt_to_keep_w
                  RouterTimeouts(), "r", [1, 2], 4, SamplingParams(), None)
         await f._admit()
         assert f.prefill_id is None and f.decode_id == "d" and f.served_by == "d (prefilled there)"
-        await asyncio.sleep(0)  # the cache dispatch goes out
+        await asyncio.gather(*f._tasks)  # the cache dispatch, if any, has gone out and been answered
         f.outcome.finish_reason = "length"
         await f._end_attempt("done")
         return f.bus.sent
