@@ -12,7 +12,7 @@ import pytest
 
 from baton.proto import subjects
 from baton.proto.internal import Ack, ReleaseRequest, ReserveReply, ReserveRequest, SamplingParams
-from baton.proto.public import GenerateReply, GenerateRequest, StreamChunk
+from baton.proto.public import GenerateReply, GenerateRequest
 from baton.shared.bus import Bus
 from baton.shared.config import WorkerSection
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR, load_model
@@ -100,8 +100,9 @@ def test_short_prompts_on_an_idle_decode_skip_prefill_and_stay_exact(cluster):
 
 
 def test_a_seeded_sampled_reply_is_the_same_prefilled_on_decode_or_through_prefill(cluster):
-    """The same seeded request alone (decode prefills it) and while another request runs on
-    decode (the router then sends it through prefill): the same tokens and logprobs."""
+    """The same seeded request twice: first decode prefills it (and prefill keeps a copy in its
+    prefix cache), then the router sends it through prefill, which now holds its prefix. The
+    same tokens and logprobs both times."""
     p = prompt(W + 5, seed=1)
     fields = dict(token_ids=p, max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=1234, logprobs=2,
                   ignore_eos=True)
@@ -110,22 +111,18 @@ def test_a_seeded_sampled_reply_is_the_same_prefilled_on_decode_or_through_prefi
         async with await Bus.connect(cluster.nats_url, "test") as bus:
             before = await taken(cluster.nats_url)
             alone = await generate(bus, **fields)
-            mid = await taken(cluster.nats_url)
-            busy = GenerateRequest(token_ids=prompt(20, seed=2), max_tokens=400, ignore_eos=True, stream=True)
-            async with bus.stream_request(subjects.GENERATE, busy, StreamChunk, timeout_per_message=120) as chunks:
-                async for chunk in chunks:
-                    if chunk.token_ids:  # decode streams it: the next request finds decode busy
-                        break
-                beside = await generate(bus, **fields)
+            mid = await taken(cluster.nats_url)  # prefill's copy is computed and kept (its routers told)
+            again = await generate(bus, **fields)
             after = await taken(cluster.nats_url)
-        return alone, beside, before, mid, after
-    alone, beside, before, mid, after = asyncio.run(run())
-    assert mid == (before[0] + 1, before[1])  # alone: prefilled on decode
-    assert after[1] == mid[1] + 1  # beside the busy stream (itself prefilled on decode): through prefill
-    assert beside.token_ids == alone.token_ids and beside.finish_reason == alone.finish_reason == "length"
-    assert beside.logprobs.token_ids == alone.logprobs.token_ids == alone.token_ids
-    assert beside.logprobs.top_ids == alone.logprobs.top_ids
-    assert beside.logprobs.logprobs == pytest.approx(alone.logprobs.logprobs, abs=1e-5)
+        return alone, again, before, mid, after
+    alone, again, before, mid, after = asyncio.run(run())
+    assert mid == (before[0] + 1, before[1])  # prefilled on decode
+    assert after == (mid[0] + 1, mid[1] + 1)  # through prefill
+    assert again.usage.cached_tokens > 0
+    assert again.token_ids == alone.token_ids and again.finish_reason == alone.finish_reason == "length"
+    assert again.logprobs.token_ids == alone.logprobs.token_ids == alone.token_ids
+    assert again.logprobs.top_ids == alone.logprobs.top_ids
+    assert again.logprobs.logprobs == pytest.approx(alone.logprobs.logprobs, abs=1e-5)
 
 
 def test_the_next_turn_after_one_prefilled_on_decode_starts_from_prefills_cache(cluster):
@@ -150,8 +147,9 @@ def test_the_next_turn_after_one_prefilled_on_decode_starts_from_prefills_cache(
 
 
 def test_decode_does_not_prefill_while_it_holds_another_request(cluster):
-    """A reservation that asks decode to prefill, made while another is held there, is an
-    ordinary one: it waits for prefill's transfer (released here)."""
+    """A reservation that asks decode to prefill, made while another is held there (reserved and
+    waiting for a transfer, which no speed of decoding can end), is an ordinary one: it waits for
+    prefill's transfer too (both released here)."""
     async def run():
         loads = await wait_all_free(cluster.nats_url)
         decode_id = next(w for w, row in loads.items() if row[0] == "decode")
@@ -160,20 +158,20 @@ def test_decode_does_not_prefill_while_it_holds_another_request(cluster):
             inbox = bus.connection.new_inbox()
             await bus.connection.subscribe(inbox)  # someone reads the chunks: decode keeps streaming
 
-            def reserve(request_id: str) -> ReserveRequest:  # 400 tokens and no stop token: seconds of decoding
+            def reserve(request_id: str, prefill_here: bool) -> ReserveRequest:
                 return ReserveRequest(request_id=request_id, token_ids=prompt(10), max_tokens=400,
                                       sampling=SamplingParams(), stream_subject=inbox,
                                       prefill_worker_id=prefill_id, components=[], draft_state="transfer",
-                                      prefill_here=True)
+                                      prefill_here=prefill_here)
             subject = subjects.decode_reserve(decode_id)
-            held = await bus.request(subject, reserve("held-first"), ReserveReply)  # decode idle: prefills it
-            second = await bus.request(subject, reserve("asked-second"), ReserveReply)
+            held = await bus.request(subject, reserve("held-first", False), ReserveReply)  # waits for a WRITE
+            second = await bus.request(subject, reserve("asked-second", True), ReserveReply)
             for rid in ("asked-second", "held-first"):
                 await bus.request(subjects.decode_release(decode_id), ReleaseRequest(request_id=rid), Ack)
         await wait_all_free(cluster.nats_url)
         return held, second
     held, second = asyncio.run(run())
-    assert held.prefilled_here and not second.prefilled_here
+    assert not held.prefilled_here and not second.prefilled_here
 
 
 @pytest.mark.parametrize("worker_args, k", [
