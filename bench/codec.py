@@ -4,7 +4,9 @@
 
 Each case is one message as the services send it: a generate request with a text prompt and one
 with 160 token ids (client -> router), a token chunk mid-stream and the finished one (decode ->
-router, once per step per request). A case is timed as `decode(encode(message))` through
+router, once per step per request), and the two that carry KV records once per request: decode's
+reservation reply (its allocation) and the router's target for prefill (that allocation and the
+transfer plan, for the default model's ring-mode stores). A case is timed as `decode(encode(message))` through
 `baton.proto.codec`, the path every receiver takes (bounds, version, types, ranges, the message's
 own `validate`), after a warm-up, best of `--repeats` runs of `--calls` calls each, in one thread.
 """
@@ -16,11 +18,29 @@ import time
 from pathlib import Path
 
 from baton.proto.codec import decode, encode
-from baton.proto.internal import TokenChunk
+from baton.proto.internal import PrefillTarget, ReserveReply, TokenChunk
 from baton.proto.public import GenerateRequest, SpecStats, Timing
+from baton.shared.kv.plan import make_plan
+from baton.shared.kv.store import KVStore
+from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.shared.model.config import ModelConfig
+
+
+def kv_records():
+    """A transfer plan between two ring-mode stores of the default model, and a reservation of
+    200 positions with 150 extended (a prompt of 150 tokens)."""
+    cfg = ModelConfig.load(DEFAULT_MODEL_DIR)
+    prefill, decode_ = (KVStore(cfg, mode="ring", num_pages=512, page_size=16, num_slots=16, max_draft_tokens=5)
+                        for _ in range(2))
+    plan = make_plan(prefill.manifest("prefill-1", "sha256:model", role="prefill"),
+                     decode_.manifest("decode-1", "sha256:model"))
+    decode_.allocate("bench-0005", 200)
+    decode_.extend("bench-0005", 150)
+    return plan, decode_.allocation("bench-0005")
 
 
 def cases() -> dict[str, object]:
+    plan, allocation = kv_records()
     return {
         "GenerateRequest (text prompt)": GenerateRequest(
             prompt="Tell me about the history of the printing press. " * 8, max_tokens=128, stream=True,
@@ -32,6 +52,10 @@ def cases() -> dict[str, object]:
         "TokenChunk (finished)": TokenChunk(
             request_id="bench-0004", seq=30, token_ids=[9, 12], finished=True, finish_reason="length",
             spec=SpecStats(verify_steps=24, drafted=120, accepted=103), timing=Timing(ttft_ms=31.2, total_ms=712.5)),
+        "ReserveReply (allocation)": ReserveReply(request_id="bench-0005", decode_worker_id="decode-1",
+                                                  allocation=allocation),
+        "PrefillTarget (allocation, plan)": PrefillTarget(request_id="bench-0005", decode_worker_id="decode-1",
+                                                          decode_allocation=allocation, transfer_plan=plan),
     }
 
 

@@ -1,7 +1,7 @@
 """The one codec: message <-> msgpack bytes, with a version field, decoded and checked by msgspec.
 
 Never pickle: a message decodes only into its declared Struct (str, bytes, int, float, bool, nil,
-lists and nested messages; `dict` fields hold plain maps and lists, depth-bounded). Extension
+lists, nested messages and the KV library's records). Extension
 types (timestamps included) are refused, and so is a message over `Limits.max_message_bytes`.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import msgspec
 from .errors import BatonError, ErrorCode, ErrorReply, bad_request
 from .limits import DEFAULT_LIMITS, Limits
 from .message import VERSION, Message, Unversioned
-from .schema import check_plain, opaque_fields, refusal
+from .schema import refusal
 
 __all__ = ["VERSION", "decode", "decode_reply", "encode"]
 
@@ -40,8 +40,6 @@ def decode(data: bytes, cls: type[M], limits: Limits = DEFAULT_LIMITS) -> M:
     message = _decode(data, cls, limits)
     if isinstance(message, Unversioned):
         raise bad_request(f"field 'v': unsupported protocol version 0; this service speaks v={VERSION}")
-    for name in opaque_fields(cls):
-        check_plain(getattr(message, name), name, limits.max_depth)
     if hasattr(message, "validate"):
         message.validate(limits)
     return message

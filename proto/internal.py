@@ -1,11 +1,16 @@
 """Internal messages between router, kv-registry, prefill and decode (documented in proto/README.md).
 
-Manifests, allocations and transfer plans belong to the KV library: they travel as opaque plain
-maps and are validated there, not here.
+Manifests, allocations and transfer plans are the KV library's records (`baton.shared.kv`
+`Record`s): they travel as typed fields, decoded and type-checked with the message, unknown
+fields refused; what they mean (a manifest against the model, a plan's pairing) is checked there.
 """
 from __future__ import annotations
 
 from typing import Literal
+
+from baton.shared.kv.components import Allocation
+from baton.shared.kv.manifest import Manifest
+from baton.shared.kv.plan import TransferPlan
 
 from .errors import bad_request
 from .fields import AgentMetadata, Count, Finite, Millis, RequestId, Seed, Subject, TokenId, WorkerId
@@ -56,7 +61,7 @@ class WorkerRegistration(Message):
     worker_id: WorkerId
     instance_id: WorkerId  # random per process start: tells a restarted worker from a second live one
     role: Role
-    manifest: dict  # the KV library's manifest, plain data
+    manifest: Manifest  # the worker's KV components (the registry validates it against the model)
     nixl_metadata: AgentMetadata  # NIXL agent metadata (opaque; never unpickled)
     capacity: Capacity
 
@@ -114,7 +119,7 @@ class PlanRequest(Message):
 class PlanReply(Message):
     prefill_worker_id: WorkerId
     decode_worker_id: WorkerId
-    plan: dict  # the KV library's transfer plan, plain data
+    plan: TransferPlan
 
 
 class WorkerEvent(Message):
@@ -172,7 +177,7 @@ class ReserveRequest(Message):
 class ReserveReply(Message):
     request_id: RequestId
     decode_worker_id: WorkerId
-    allocation: dict  # the KV library's allocation record (pages, ring slots), plain data
+    allocation: Allocation  # the reserved pages and ring slot
     prefilled_here: bool = False  # decode computes the prompt itself: prefill is not needed
 
 
@@ -231,8 +236,8 @@ class PrefillTarget(Message):
 
     request_id: RequestId
     decode_worker_id: WorkerId
-    decode_allocation: dict  # ReserveReply.allocation
-    transfer_plan: dict  # PlanReply.plan
+    decode_allocation: Allocation  # ReserveReply.allocation
+    transfer_plan: TransferPlan  # PlanReply.plan
 
 
 class WriteStarting(Message):

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 class Limits:
     # --- wire: a message decodes only into its declared types, so its size bounds every length ---
     max_message_bytes: int = 1 << 20  # NATS' default max_payload; a larger server setting may raise it
-    max_depth: int = 16  # nesting of opaque maps/arrays (manifests, plans, allocations)
     # --- generate: what one request may ask for ---
     max_tokens: int = 4096  # completion tokens per request
     max_prompt_tokens: int = 1 << 17

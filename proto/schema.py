@@ -1,4 +1,4 @@
-"""msgspec's refusals turned into Baton's `bad_request` messages, and the check of opaque maps.
+"""msgspec's refusals turned into Baton's `bad_request` messages.
 
 Every message is a `Message` (message.py): a frozen msgspec Struct whose field annotations are the schema
 (types, `Meta` ranges and patterns, Literals, nested messages). msgspec decodes msgpack into it
@@ -14,7 +14,6 @@ import re
 import sys
 import types
 from enum import Enum
-from functools import cache
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import msgspec
@@ -23,23 +22,6 @@ from .errors import BatonError, bad_request
 from .message import VERSION
 
 MAX_FLOAT = sys.float_info.max  # `Meta` bounds must be finite: ±MAX_FLOAT is "any finite float"
-
-
-@cache
-def opaque_fields(cls: type) -> tuple[str, ...]:
-    """A message's `dict` fields: plain data of another library, checked by `check_plain`."""
-    return tuple(f.name for f in msgspec.structs.fields(cls) if _unwrap(f.type) is dict)
-
-
-def check_plain(value: Any, path: str, depth_left: int) -> None:
-    """Opaque data must be maps, lists and scalars only, nested at most `depth_left` deep."""
-    if isinstance(value, (dict, list)):
-        if depth_left == 0:
-            raise bad_request(f"field '{path}': nested too deeply")
-        for child in value.values() if isinstance(value, dict) else value:
-            check_plain(child, path, depth_left - 1)
-    elif value is not None and type(value) not in (bool, int, float, str, bytes):
-        raise bad_request(f"field '{path}': {_type(value)} is not plain data")
 
 
 def refusal(error: msgspec.ValidationError, cls: type, plain: Any) -> BatonError:

@@ -26,7 +26,6 @@ from baton.shared.bus.wire import decode_event
 from baton.shared.config import Config, ConfigError, WorkerSection, check_section, cpu_ids
 from baton.shared.engine.runner import ModelRunner, SpecConfig
 from baton.shared.kv.cache_changes import Cached
-from baton.shared.kv.codec import from_plain, to_plain
 from baton.shared.kv.manifest import Manifest
 from baton.shared.kv.store import KVStore
 from baton.shared.metrics import ServiceMetrics
@@ -210,7 +209,7 @@ class Membership:
 def registration(config: WorkerConfig, manifest: Manifest, nixl_metadata: bytes, max_seq_len: int) -> WorkerRegistration:
     w = config.worker
     return WorkerRegistration(
-        worker_id=w.id, instance_id=uuid.uuid4().hex, role=config.role, manifest=to_plain(manifest),
+        worker_id=w.id, instance_id=uuid.uuid4().hex, role=config.role, manifest=manifest,
         nixl_metadata=nixl_metadata,
         capacity=Capacity(total_pages=w.num_pages, page_size=w.page_size, total_slots=w.num_slots,
                           max_seq_len=max_seq_len))
@@ -250,7 +249,7 @@ def peer_lookup(bus: Bus) -> Callable[[str], Any]:
         if not reply.workers:
             return None
         reg = reply.workers[0].registration
-        return PeerInfo(reg.worker_id, reg.nixl_metadata, regions_of(from_plain(Manifest, reg.manifest)))
+        return PeerInfo(reg.worker_id, reg.nixl_metadata, regions_of(reg.manifest))
     return lookup
 
 

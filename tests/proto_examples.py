@@ -6,6 +6,9 @@ import inspect
 from baton.proto import errors, internal, public
 from baton.proto.errors import ErrorCode, ErrorDetail, ErrorReply
 from baton.proto.message import Part
+from baton.shared.kv.components import Allocation, Component, ComponentId, Geometry, Region
+from baton.shared.kv.manifest import Manifest
+from baton.shared.kv.plan import Pair, TransferPlan
 
 USAGE = public.Usage(prompt_tokens=6, completion_tokens=3)
 SPEC = public.SpecStats(verify_steps=2, drafted=6, accepted=1)
@@ -17,10 +20,18 @@ CAPACITY = internal.Capacity(total_pages=4096, page_size=16, total_slots=64, max
 LOAD = internal.WorkerLoad(free_pages=3900, free_slots=60, active_requests=4, queued_prompt_tokens=0)
 LOGPROBS = public.Logprobs(token_ids=[412, 9], logprobs=[-0.25, -1.5], top_ids=[[412, 7], [3, 9]],
                            top_logprobs=[[-0.25, -2.0], [-1.0, -1.5]])
+FULL_PAGES = Component(ComponentId("target", "FULL", (2, 5)),
+                       Geometry(dtype="bfloat16", item_rows=16, num_items=4096, row_bytes=512, header_bytes=0,
+                                item_bytes=16384, window=None, kv_heads=2, head_dim=64, order="item_major",
+                                layers_per_item=2),
+                       (Region(addr=2**47 - 4096, nbytes=4096 * 16384, item_bytes=16384),))
+MANIFEST = Manifest(worker_id="decode-0", role="decode", fingerprint="sha256:00ff", mode="ring", components=(FULL_PAGES,))
+PLAN = TransferPlan(prefill_worker="prefill-0", decode_worker="decode-0", fingerprint="sha256:00ff",
+                    pairs=(Pair(FULL_PAGES, FULL_PAGES),), not_provided=("draft/SWA_RING",), draft_state="cold")
+ALLOCATION = Allocation(request_id="r-1", num_tokens=40, length=3, floor=0, slot=3, page_ids=(1, 2, 3),
+                        swa_page_ids=(7, -1), reused=16)
 REGISTRATION = internal.WorkerRegistration(
-    worker_id="decode-0", instance_id="5f0c3a9e1b7d42c8", role="decode",
-    manifest={"components": [{"name": "target_full", "kind": "FULL", "layers": [2, 5], "item_bytes": 8192}],
-              "page_size": 16, "blob": b"\x00\x01", "ratio": 0.5, "none": None},
+    worker_id="decode-0", instance_id="5f0c3a9e1b7d42c8", role="decode", manifest=MANIFEST,
     nixl_metadata=bytes(range(256)) * 2, capacity=CAPACITY)
 
 EXAMPLES = [
@@ -53,7 +64,7 @@ EXAMPLES = [
     internal.LookupReply(workers=[internal.WorkerInfo(registration=REGISTRATION, load=LOAD)]),
     internal.PlanRequest(prefill_worker_id="prefill-0", decode_worker_id="decode-0"),
     internal.PlanReply(prefill_worker_id="prefill-0", decode_worker_id="decode-0",
-                       plan={"pairs": [["target_full", "target_full"]], "not_provided": ["draft_swa"]}),
+                       plan=PLAN),
     internal.WorkerEvent(kind="left", worker_id="decode-0", role="decode", reason="lease expired"),
     internal.PrefixEvents(worker_id="prefill-0", instance_id="5f0c3a9e1b7d42c8", seq=7, block=16,
                           added=[internal.CachedPrefix(blocks=12, digest=2**64 - 5, tokens=197)],
@@ -65,7 +76,7 @@ EXAMPLES = [
                             stream_subject="_INBOX.abc.def", prefill_worker_id="prefill-0",
                             components=["target/FULL", "target/SWA_RING", "draft/SWA_RING", "aux/AUX"],
                             draft_state="transfer"),
-    internal.ReserveReply(request_id="r-1", decode_worker_id="decode-0", allocation={"pages": [1, 2], "slot": 3}),
+    internal.ReserveReply(request_id="r-1", decode_worker_id="decode-0", allocation=ALLOCATION),
     internal.ReleaseRequest(request_id="r-1", reason="client cancelled"),
     internal.WriteStarting(request_id="r-1"),
     internal.TokenChunk(request_id="r-1", seq=0, token_ids=[412, 9]),
@@ -76,7 +87,7 @@ EXAMPLES = [
     internal.PrefillDispatch(request_id="r-1", token_ids=[5, 6, 7], sampling=SAMPLING),
     internal.PrefillDispatch(request_id="r-2", token_ids=[5, 6, 7], sampling=SAMPLING, first_token_to="_INBOX.abc.3"),
     internal.PrefillTarget(request_id="r-1", decode_worker_id="decode-0",
-                           decode_allocation={"pages": [1, 2], "slot": 3}, transfer_plan={"pairs": []}),
+                           decode_allocation=ALLOCATION, transfer_plan=PLAN),
     internal.PrefillDone(request_id="r-1", first_token_id=412, transfer_bytes=1 << 20, prefill_ms=8.0,
                          transfer_ms=0.4),
     internal.PrefillDone(request_id="r-2", first_token_id=412, transfer_bytes=1 << 20, prefill_ms=8.0,

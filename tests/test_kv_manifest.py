@@ -1,12 +1,13 @@
 """Components, manifests and start-up validation (seed 000: draft state registration)."""
-from dataclasses import replace
-
 import msgpack
 import pytest
 import torch
+from msgspec.structs import replace
 
-from baton.shared.kv import (KVStore, ManifestError, fingerprint, from_msgpack, to_msgpack,
-                             validate_manifest)
+from baton.proto.codec import decode, encode
+from baton.proto.errors import BatonError
+from baton.proto.internal import Capacity, WorkerRegistration
+from baton.shared.kv import KVStore, ManifestError, fingerprint, validate_manifest
 from baton.shared.model.config import FULL as F, SLIDING as S, ModelConfig
 
 pytestmark = pytest.mark.unit
@@ -197,35 +198,40 @@ class TestRefusals:
             validate_manifest(CFG, replace(m, mode="paged"))
 
 
+def registration(manifest) -> WorkerRegistration:
+    return WorkerRegistration(worker_id="decode-0", instance_id="i", role="decode", manifest=manifest,
+                              nixl_metadata=b"agent", capacity=Capacity(total_pages=16, page_size=PS,
+                                                                        total_slots=2, max_seq_len=64))
+
+
+def refused(plain: dict) -> str:
+    with pytest.raises(BatonError) as caught:
+        decode(msgpack.packb(plain), WorkerRegistration)
+    return caught.value.message
+
+
 @pytest.mark.parametrize("mode", ["ring", "paged"])
-def test_manifest_msgpack_round_trip(mode):
+def test_manifest_survives_the_protocol(mode):
     _, m = make_manifest(mode)
-    raw = to_msgpack(m)
-    assert isinstance(msgpack.unpackb(raw), dict)  # plain maps on the wire
-    assert from_msgpack(raw) == m
-    validate_manifest(CFG, from_msgpack(raw))
-
-
-@pytest.mark.parametrize("raw,match", [
-    (b"\xc1", "not a msgpack message"),
-    (msgpack.packb([1, 2]), "expected a map"),
-    (msgpack.packb({"worker_id": "w"}), "missing field"),
-])
-def test_malformed_manifest_is_refused(raw, match):
-    with pytest.raises(ManifestError, match=match):
-        from_msgpack(raw)
+    raw = encode(registration(m))
+    assert isinstance(msgpack.unpackb(raw)["manifest"], dict)  # plain maps on the wire
+    assert decode(raw, WorkerRegistration).manifest == m
+    validate_manifest(CFG, decode(raw, WorkerRegistration).manifest)
 
 
 def test_manifest_fields_are_type_checked():
     _, m = make_manifest("ring")
-    plain = msgpack.unpackb(to_msgpack(m))
-    plain["components"][0]["geometry"]["item_rows"] = "4"
-    with pytest.raises(ManifestError, match=r"components\[0\].geometry.item_rows: expected int"):
-        from_msgpack(msgpack.packb(plain))
-    plain = msgpack.unpackb(to_msgpack(m))
-    plain["extra"] = 1
-    with pytest.raises(ManifestError, match="unknown field"):
-        from_msgpack(msgpack.packb(plain))
+    plain = msgpack.unpackb(encode(registration(m)))
+    plain["manifest"]["components"][0]["geometry"]["item_rows"] = "4"
+    assert "'manifest.components[0].geometry.item_rows': expected int, got str" in refused(plain)
+    plain = msgpack.unpackb(encode(registration(m)))
+    plain["manifest"]["components"][0]["regions"][0]["extra"] = 1
+    assert "unknown field 'manifest.components[0].regions[0].extra'" in refused(plain)
+    plain = msgpack.unpackb(encode(registration(m)))
+    del plain["manifest"]["worker_id"]
+    assert "missing field 'manifest.worker_id'" in refused(plain)
+    plain["manifest"] = [1, 2]
+    assert "'manifest': expected a map, got list" in refused(plain)
 
 
 def test_fingerprint_covers_config_and_weights():

@@ -1,12 +1,13 @@
 """Transfer plans (seed 003): pairing by identity, refusals, and the exact bytes a request moves."""
 import random
-from dataclasses import replace
 
 import pytest
 import torch
+from msgspec.structs import replace
 
-from baton.shared.kv import (Allocation, KVStore, PlanError, TransferPlan, make_plan, pack,
-                             pack_aux, unpack, unpack_aux)
+from baton.proto.codec import decode, encode
+from baton.proto.internal import PlanReply, ReserveReply
+from baton.shared.kv import Allocation, KVStore, PlanError, make_plan, pack_aux, unpack_aux
 from baton.shared.kv.budget import kv_row_bytes
 from baton.shared.model.config import FULL as F, SLIDING as S, ModelConfig
 
@@ -117,13 +118,15 @@ class TestPairing:
         assert {"draft/FULL", "draft/SWA_RING"} <= set(names(plan))
         assert plan.draft_state == "transfer" and plan.aux_hidden_rows(50) == 1
 
-    def test_plan_msgpack_round_trip(self):
+    def test_plan_and_allocation_survive_the_protocol(self):
         _, p = worker("prefill", "paged", draft=False)
         _, d = worker("decode", "paged")
         plan = make_plan(p, d)
-        assert unpack(TransferPlan, pack(plan)) == plan
+        sent = PlanReply(prefill_worker_id="p", decode_worker_id="d", plan=plan)
+        assert decode(encode(sent), PlanReply).plan == plan
         alloc = Allocation("r", 10, 5, 0, 1, (3, 4, 5), (0, 1, -1))
-        assert unpack(Allocation, pack(alloc)) == alloc
+        sent = ReserveReply(request_id="r", decode_worker_id="d", allocation=alloc)
+        assert decode(encode(sent), ReserveReply).allocation == alloc
 
 
 class TestPlanRefusals:

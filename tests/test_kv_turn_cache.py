@@ -3,11 +3,11 @@ of the finished prompt it repeats, only below its own sliding window; the alloca
 much is reused and the transfer plan then sends FULL only from there; eviction under pressure
 never frees a page a request holds; what routers are told matches what is held."""
 import random
-from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
 from baton.proto.internal import CachedPrefix, PrefixEvents
 from baton.services.router.affinity import PrefixAffinity

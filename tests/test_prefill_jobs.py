@@ -5,9 +5,10 @@ from collections import deque
 import pytest
 
 from baton.proto.errors import BatonError, ErrorCode
-from baton.proto.internal import PrefillDispatch, SamplingParams
+from baton.proto.internal import PrefillDispatch, PrefillTarget, SamplingParams
 from baton.services.prefill import jobs as jobs_module
-from baton.services.prefill.jobs import Job, Jobs, Target, take_batch
+from baton.services.prefill.jobs import Job, Jobs, take_batch
+from proto_examples import ALLOCATION, PLAN
 
 pytestmark = pytest.mark.unit
 LOOP = asyncio.new_event_loop()  # jobs only need a loop to make their futures; nothing runs on it
@@ -18,7 +19,8 @@ def new_job(request_id: str, prompt_tokens: int = 2) -> Job:
     return Job(dispatch, LOOP.create_future())
 
 
-TARGET = Target("decode-1", plan=None, decode_alloc=None)  # the bookkeeping never looks inside
+TARGET = PrefillTarget(request_id="r1", decode_worker_id="decode-1", decode_allocation=ALLOCATION,
+                       transfer_plan=PLAN)  # the bookkeeping never looks inside
 
 
 def test_target_settles_a_dispatched_job():

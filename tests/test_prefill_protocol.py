@@ -118,7 +118,6 @@ def test_bad_target_is_refused(cluster):
 
 @pytest.mark.parametrize("target_first", [True, False], ids=["target-before-compute-ends", "target-after"])
 def test_target_that_does_not_fit_fails_only_its_request_and_frees(cluster, target_first):
-    from baton.shared.kv.codec import to_plain
     from baton.shared.kv.components import Allocation
 
     async def run():
@@ -127,7 +126,7 @@ def test_target_that_does_not_fit_fails_only_its_request_and_frees(cluster, targ
             plan = (await bus.request(subjects.PLAN, PlanRequest(prefill_worker_id=prefill, decode_worker_id=decode),
                                       PlanReply)).plan
             empty = Allocation(request_id="misfit", num_tokens=0, length=0, floor=0, slot=0, page_ids=())
-            target = PrefillTarget(request_id="misfit", decode_worker_id=decode, decode_allocation=to_plain(empty),
+            target = PrefillTarget(request_id="misfit", decode_worker_id=decode, decode_allocation=empty,
                                    transfer_plan=plan)  # holds none of the prompt's positions
             if target_first:
                 await bus.request(subjects.prefill_target(prefill), target, Ack)

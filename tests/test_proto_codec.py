@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 
 from baton.proto import errors, internal, public
@@ -31,7 +32,9 @@ def test_encoding_is_a_plain_map_with_bytes_as_bin():
     plain = msgpack.unpackb(encode(registration), raw=False)
     assert plain["nixl_metadata"] == registration.nixl_metadata
     assert plain["capacity"] == {"total_pages": 4096, "page_size": 16, "total_slots": 64, "max_seq_len": 4096}
-    assert plain["manifest"] == registration.manifest
+    assert plain["manifest"] == msgspec.msgpack.decode(msgspec.msgpack.encode(registration.manifest))  # maps, lists
+    assert plain["manifest"]["components"][0]["regions"] == [{"addr": 2**47 - 4096, "nbytes": 4096 * 16384,
+                                                               "item_bytes": 16384}]
 
 
 def test_error_reply_decodes_in_place_of_the_expected_reply():

@@ -9,7 +9,7 @@ from baton.proto import internal, public
 from baton.proto.codec import decode, encode
 from baton.proto.errors import BatonError, ErrorCode, ErrorReply
 from baton.proto.limits import Limits
-from proto_examples import REGISTRATION
+from proto_examples import ALLOCATION, REGISTRATION
 
 pytestmark = pytest.mark.unit
 
@@ -138,13 +138,17 @@ def test_limits_bound_what_one_message_can_make_the_receiver_build():
     assert "'nixl_metadata'" in refused(wide, internal.WorkerRegistration).message
 
 
-def test_opaque_maps_are_depth_bounded():
+def test_kv_records_decode_only_as_their_record():
+    """An allocation (a plan, a manifest) is a typed field: any other map is refused, by path."""
     deep: dict = {"leaf": 1}
     for _ in range(20):
         deep = {"next": deep}
-    data = encode(internal.ReserveReply(request_id="r", decode_worker_id="d", allocation=deep))
-    error = refused(data, internal.ReserveReply)
-    assert "'allocation': nested too deeply" in error.message
+    plain = msgspec.to_builtins(internal.ReserveReply(request_id="r", decode_worker_id="d", allocation=ALLOCATION))
+    for value, mentions in ((deep, "unknown field 'allocation.next'"),
+                            ({**plain["allocation"], "page_ids": "no"}, "'allocation.page_ids': expected a list, got str"),
+                            ({**plain["allocation"], "slot": 1.5}, "'allocation.slot': expected int, got float")):
+        error = refused(msgpack.packb({**plain, "allocation": value}), internal.ReserveReply)
+        assert error.code is ErrorCode.BAD_REQUEST and mentions in error.message
 
 
 def nested(field_path: str, value) -> dict:
@@ -172,6 +176,9 @@ def nested(field_path: str, value) -> dict:
     ("capacity.total_pages", -1, "'capacity.total_pages': must be between 0"),
     ("capacity.page_size", ..., "missing field 'capacity.page_size'"),
     ("capacity.extra", 1, "unknown field 'capacity.extra'"),
+    ("manifest.components", 3, "'manifest.components': expected a list, got int"),
+    ("manifest.mode", ..., "missing field 'manifest.mode'"),
+    ("manifest.extra", 1, "unknown field 'manifest.extra'"),
 ])
 def test_registration_rules(path, value, mentions):
     error = refused(msgpack.packb(nested(path, value), use_bin_type=True), internal.WorkerRegistration)

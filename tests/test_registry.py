@@ -18,7 +18,6 @@ from baton.services.worker import on_worker_left
 from baton.shared.bus import Bus
 from baton.shared.bus.server import NatsServer
 from baton.shared.kv import KVStore
-from baton.shared.kv.codec import to_plain
 from baton.shared.model.config import FULL, SLIDING, ModelConfig
 from baton.shared.transfer import nixl_ops
 from baton.shared.transfer.nixl_thread import NixlThread
@@ -67,7 +66,7 @@ def worker(worker_id: str, role: str = "decode") -> Worker:
 def registration(worker_id: str, role: str = "decode", instance: str = "i1") -> WorkerRegistration:
     w = worker(worker_id, role)
     return WorkerRegistration(worker_id=worker_id, instance_id=instance, role=role,
-                              manifest=to_plain(w.manifest), nixl_metadata=w.metadata,
+                              manifest=w.manifest, nixl_metadata=w.metadata,
                               capacity=Capacity(total_pages=16, page_size=4, total_slots=2, max_seq_len=64))
 
 
@@ -254,8 +253,9 @@ def test_a_worker_whose_nixl_metadata_a_peer_could_not_use_is_refused_at_registr
         async with registry() as (reg, bus):
             good = registration("prefill-m", role="prefill")
             other = worker("prefill-n", role="prefill")
-            elsewhere = [dict(c, regions=[dict(r, addr=r["addr"] + (1 << 40)) for r in c["regions"]])
-                         for c in good.manifest["components"]]
+            replace = msgspec.structs.replace
+            elsewhere = tuple(replace(c, regions=tuple(replace(r, addr=r.addr + (1 << 40)) for r in c.regions))
+                              for c in good.manifest.components)
             loads_not = ("does not load",)
             broken = [  # (change, what the refusal says)
                 ({"nixl_metadata": b""}, loads_not),
@@ -264,7 +264,7 @@ def test_a_worker_whose_nixl_metadata_a_peer_could_not_use_is_refused_at_registr
                 ({"nixl_metadata": good.nixl_metadata[:len(good.nixl_metadata) // 2]},
                  ("does not load", "crashed NIXL's loader")),
                 ({"nixl_metadata": other.metadata}, ("belongs to agent 'prefill-n'",)),
-                ({"manifest": {**good.manifest, "components": elsewhere}},
+                ({"manifest": replace(good.manifest, components=elsewhere)},
                  ("regions are not memory its NIXL agent registered",)),
             ]
             for change, why in broken:

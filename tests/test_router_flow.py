@@ -11,7 +11,9 @@ from baton.proto.public import Logprobs, SpecStats, Timing
 from baton.services.router.affinity import PrefixAffinity
 from baton.services.router.flow import (AttemptLost, DecodeLost, Flow, NoCapacity, RouterPolicy, RouterTimeouts,
                                         continued)
+from baton.shared.kv.plan import TransferPlan
 from baton.shared.kv.prefix_hash import digests
+from proto_examples import ALLOCATION, PLAN
 
 pytestmark = pytest.mark.unit
 LATE = BatonError(ErrorCode.INTERNAL, "transfer of r: deadline passed")
@@ -199,7 +201,7 @@ def test_a_target_sent_to_a_prefill_that_leaves_is_lost_at_its_left_event_not_at
     async def run():
         f = Flow(SilentBus(), None, None, RouterTimeouts(first_token_s=60), "r", [1, 2], 4, SamplingParams(), None)
         f.prefill_id, f.decode_id = "p", "d"
-        target = asyncio.create_task(f._target(SimpleNamespace(decode_worker_id="d", allocation={}), {}))
+        target = asyncio.create_task(f._target(SimpleNamespace(decode_worker_id="d", allocation=ALLOCATION), PLAN))
         await asyncio.wait_for(f.bus.asked.wait(), 2)
         f.worker_left("p", "lease expired")
         with pytest.raises(AttemptLost, match="worker p left"):
@@ -226,7 +228,7 @@ def test_the_first_token_timeout_bounds_an_attempt_from_its_admission_not_each_s
         f = Flow(AnsweringBus(), None, None, RouterTimeouts(first_token_s=60), "r", [1, 2], 4, SamplingParams(), None)
         f.prefill_id, f.decode_id = "p", "d"
         f._first_token_by = time.monotonic() + 0.1  # what _admit set 59.9 s ago
-        await f._target(SimpleNamespace(decode_worker_id="d", allocation={}), {})
+        await f._target(SimpleNamespace(decode_worker_id="d", allocation=ALLOCATION), PLAN)
         assert f.bus.timeouts and f.bus.timeouts[0] <= 0.1
         with pytest.raises(BatonError, match="no token within 60 s of its admission"):
             await asyncio.wait_for(relay(f), 10)  # not another 60 s
@@ -350,8 +352,8 @@ class OneDecode:
         return [SimpleNamespace(registration=SimpleNamespace(worker_id="d"), load=SimpleNamespace(free_slots=4,
                                                                                                   free_pages=64))]
 
-    async def plan(self, prefill_id: str, decode_id: str) -> dict:
-        return {"pairs": [], "draft_state": "transfer"}
+    async def plan(self, prefill_id: str, decode_id: str) -> TransferPlan:
+        return PLAN
 
     def joined_at(self, worker_id: str) -> float:
         return 0.0
@@ -422,13 +424,13 @@ def test_a_target_that_finds_nobody_listening_names_the_prefill_gone():
                  SamplingParams(), None)
         f.prefill_id, f.decode_id = "p", "d"
         with pytest.raises(AttemptLost) as lost:
-            await f._target(SimpleNamespace(decode_worker_id="d", allocation={}), {})
+            await f._target(SimpleNamespace(decode_worker_id="d", allocation=ALLOCATION), PLAN)
         assert lost.value.gone == "p"
         f = Flow(FailingBus(BatonError(ErrorCode.TIMEOUT, "no reply")), None, None, RouterTimeouts(), "r", [1], 4,
                  SamplingParams(), None)
         f.prefill_id, f.decode_id = "p", "d"
         with pytest.raises(AttemptLost) as lost:
-            await f._target(SimpleNamespace(decode_worker_id="d", allocation={}), {})
+            await f._target(SimpleNamespace(decode_worker_id="d", allocation=ALLOCATION), PLAN)
         assert lost.value.gone is None  # a silent prefill may only be slow
     asyncio.run(run())
 
@@ -495,7 +497,7 @@ class Reserving(Recorder):
     async def request(self, subject, message, reply_cls, timeout, joined_at=None):
         self.sent.append((subject, message))
         if subject.endswith(".reserve"):
-            return ReserveReply(request_id="r", decode_worker_id="d", allocation={},
+            return ReserveReply(request_id="r", decode_worker_id="d", allocation=ALLOCATION,
                                 prefilled_here=message.prefill_here)
         return Ack()
 

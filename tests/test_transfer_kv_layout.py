@@ -10,11 +10,12 @@ import asyncio
 import multiprocessing as mp
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
-from baton.shared.kv import KVStore, Manifest, make_plan, pack, unpack
+from baton.shared.kv import KVStore, Manifest, make_plan
 from baton.shared.kv.components import Allocation
 from baton.shared.model.config import FULL as F, SLIDING as S, ModelConfig
 
@@ -68,7 +69,7 @@ async def _prefill(conn, mode: str) -> None:
     manifest = store.manifest("prefill-kv", "sha256:m", role="prefill")
     async with TransferAgent("prefill-kv", regions_of(manifest)) as agent:
         want = {layer: needed(store, layer).numpy() for layer in LAYERS}
-        conn.send((agent.metadata(), pack(manifest), pack(store.allocation("r")), want,
+        conn.send((agent.metadata(), msgspec.msgpack.encode(manifest), msgspec.msgpack.encode(store.allocation("r")), want,
                    store.aux_row("r").numpy().tobytes()))
         peer, metadata, regions, descriptors, tag = await asyncio.to_thread(conn.recv)
         await agent.add_peer(peer, metadata, regions)
@@ -86,7 +87,7 @@ async def transfer(mode: str) -> None:
     try:
         assert await asyncio.to_thread(conn.poll, 60), "prefill child did not start"
         metadata, raw_manifest, raw_alloc, want, src_aux = conn.recv()
-        src_manifest, src_alloc = unpack(Manifest, raw_manifest), unpack(Allocation, raw_alloc)
+        src_manifest, src_alloc = msgspec.msgpack.decode(raw_manifest, type=Manifest), msgspec.msgpack.decode(raw_alloc, type=Allocation)
         store = churned_store(mode, seed=2)
         manifest = store.manifest("decode-kv", "sha256:m", role="decode")
         plan = make_plan(src_manifest, manifest)

@@ -132,7 +132,7 @@ def test_a_real_plans_aux_row_goes_as_the_blocks_its_prefix_covers(draft_state):
     """The aux rows are registered in blocks of header + one hidden row (kv/aux.py): when the draft
     state travels the request carries one block of its row, not the whole row; when decode rebuilds
     the draft window, the blocks that hold its W hidden rows. Always one WRITE, by index."""
-    from dataclasses import replace as with_fields
+    from msgspec.structs import replace as with_fields
 
     from baton.shared.kv.plan import make_plan
     from baton.shared.kv.store import KVStore

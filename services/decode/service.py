@@ -34,7 +34,6 @@ from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
 from baton.shared.kv.allocator import KVError, OutOfCapacity
 from baton.shared.kv.aux import first_token_at, unpack_aux
 from baton.shared.kv.budget import reservation
-from baton.shared.kv.codec import to_plain
 from baton.shared.kv.turn_cache import TurnCache
 from baton.shared.transfer.arrivals import EventKind
 
@@ -173,7 +172,7 @@ class DecodeWorker(Worker):
                                        self.config.worker.transfer_deadline_s)
         await self._publish_turns()  # turns evicted for its room
         return ReserveReply(request_id=msg.request_id, decode_worker_id=self.config.worker.id,
-                            allocation=to_plain(alloc), prefilled_here=here)
+                            allocation=alloc, prefilled_here=here)
 
     def _all_ending(self) -> bool:
         """Nothing runs or waits to run here: every request held is ending."""

@@ -1,7 +1,7 @@
 """Prefill's requests in flight, and where each one's state goes.
 
-A dispatch arrives first and starts computing; its `Target` (decode's reserved slots and the
-plan) arrives while it computes, or a release says there will be none. The two come on separate
+A dispatch arrives first and starts computing; its `PrefillTarget` (decode's reserved slots and
+the plan) arrives while it computes, or a release says there will be none. The two come on separate
 subjects, so a target or release may overtake its dispatch: it is remembered for EARLY_KEEP_S
 and applied when the dispatch arrives.
 """
@@ -14,9 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from baton.proto.errors import BatonError
-from baton.proto.internal import PrefillDispatch
-from baton.shared.kv.components import Allocation
-from baton.shared.kv.plan import TransferPlan
+from baton.proto.internal import PrefillDispatch, PrefillTarget
 from baton.shared.metrics import Stamps
 
 log = logging.getLogger("baton.prefill.jobs")
@@ -24,14 +22,7 @@ EARLY_KEEP_S = 30.0
 EARLY_MAX = 10_000
 
 
-@dataclass(frozen=True)
-class Target:
-    decode_worker_id: str
-    plan: TransferPlan
-    decode_alloc: Allocation
-
-
-Outcome = Target | BatonError  # where the state goes, or why it goes nowhere
+Outcome = PrefillTarget | BatonError  # where the state goes, or why it goes nowhere
 
 
 @dataclass(eq=False)
@@ -48,8 +39,8 @@ class Job:
         return self.dispatch.request_id
 
     @property
-    def target(self) -> Target | None:
-        return self.outcome if isinstance(self.outcome, Target) else None
+    def target(self) -> PrefillTarget | None:
+        return self.outcome if isinstance(self.outcome, PrefillTarget) else None
 
 
 class Jobs:

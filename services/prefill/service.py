@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 
-import msgpack
 import torch
 
 from baton.proto import subjects
@@ -31,20 +30,16 @@ from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import Sequence
 from baton.shared.kv.allocator import KVError
 from baton.shared.kv.aux import pack_aux
-from baton.shared.kv.codec import from_plain
-from baton.shared.kv.components import Allocation
-from baton.shared.kv.plan import TransferPlan
 from baton.shared.kv.prefix_cache import Hit, PrefixCache
 from baton.shared.transfer.regions import Descriptor
 
 from baton.shared.metrics import log_request
 
 from baton.shared.transfer.notices import request_tag
-from .jobs import Job, Jobs, Target, take_batch
+from .jobs import Job, Jobs, take_batch
 from ..worker import Worker, WorkerConfig, publish_changes, snapshot_message, speculation
 
 log = logging.getLogger("baton.prefill")
-PLAN_CACHE = 64  # decoded transfer plans kept (one per decode peer; decoding one costs ~0.4 ms)
 Staged = list[Descriptor] | BatonError | None  # a computed request's WRITE list, why it has none,
 # or None: its target is still to come
 
@@ -66,7 +61,6 @@ class PrefillWorker(Worker):
         self.requests_total = 0
         self.draining = False  # stopping: new prompts are refused, held ones finish
         self._tasks: set[asyncio.Task] = set()
-        self._plans: OrderedDict[bytes, TransferPlan] = OrderedDict()  # by the plan's packed plain form
         self._batching: asyncio.Task | None = None
 
     def load(self) -> WorkerLoad:
@@ -158,12 +152,7 @@ class PrefillWorker(Worker):
             self.jobs.remove(job)
 
     async def target(self, msg: PrefillTarget) -> Ack:
-        try:
-            target = Target(msg.decode_worker_id, self._plan(msg.transfer_plan),
-                            from_plain(Allocation, msg.decode_allocation))
-        except ValueError as exc:
-            raise BatonError(ErrorCode.BAD_REQUEST, f"prefill target of {msg.request_id}: {exc}")
-        self.jobs.settle(msg.request_id, target)
+        self.jobs.settle(msg.request_id, msg)
         return Ack()
 
     async def release(self, msg: ReleaseRequest) -> Ack:
@@ -182,18 +171,6 @@ class PrefillWorker(Worker):
         if self.cache is not None:
             await publish_changes(self.bus, self.membership.registration, self.store.page_size,
                                   await self.engine.call(self.cache.take_changes))
-
-    def _plan(self, plain: dict) -> TransferPlan:
-        """The router sends the same plan with every request to one decode peer: decode and check
-        it once (keyed by its exact content), then reuse it."""
-        key = msgpack.packb(plain, use_bin_type=True)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = from_plain(TransferPlan, plain)
-            if len(self._plans) > PLAN_CACHE:
-                self._plans.popitem(last=False)
-        self._plans.move_to_end(key)
-        return plan
 
     async def _batcher(self) -> None:
         while True:
@@ -323,13 +300,13 @@ class PrefillWorker(Worker):
         self.metrics.prefix_entries.set(len(self.cache))
         self.capacity = self.store.free_capacity()
 
-    def _fill_draft_windows(self, targeted: list[tuple[Sequence, PrefillOutput, Target]]) -> None:
+    def _fill_draft_windows(self, targeted: list[tuple[Sequence, PrefillOutput, PrefillTarget]]) -> None:
         """Engine thread: the draft windows that travel, for the whole batch in one forward."""
         if self.send_draft:
-            send = [(seq, out) for seq, out, target in targeted if target.plan.draft_state == "transfer"]
+            send = [(seq, out) for seq, out, target in targeted if target.transfer_plan.draft_state == "transfer"]
             self.runner.fill_draft_windows([seq for seq, _ in send], [out for _, out in send])
 
-    def _stage_late(self, job: Job, target: Target, seq: Sequence, out: PrefillOutput) -> list[Descriptor] | BatonError:
+    def _stage_late(self, job: Job, target: PrefillTarget, seq: Sequence, out: PrefillOutput) -> list[Descriptor] | BatonError:
         """Engine thread: a request whose target came after its prefill: its draft window, then `_try_stage`."""
         self._fill_draft_windows([(seq, out, target)])
         return self._try_stage(job, target, seq, out)
@@ -388,7 +365,7 @@ class PrefillWorker(Worker):
         staged = await self.engine.call(self._stage_late, job, job.target, seq, out)
         return staged, prefill_ms + (time.monotonic() - started) * 1000
 
-    def _try_stage(self, job: Job, target: Target, seq: Sequence,
+    def _try_stage(self, job: Job, target: PrefillTarget, seq: Sequence,
                    out: PrefillOutput) -> list[Descriptor] | BatonError:
         """Engine thread: `_stage`; a target that does not fit this request (e.g. a decode
         allocation that does not hold its positions) fails this request, not its batch."""
@@ -397,16 +374,16 @@ class PrefillWorker(Worker):
         except ValueError as exc:
             return BatonError(ErrorCode.BAD_REQUEST, f"request {job.request_id}: its target does not fit: {exc}")
 
-    def _stage(self, job: Job, target: Target, seq: Sequence, out: PrefillOutput) -> list[Descriptor]:
+    def _stage(self, job: Job, target: PrefillTarget, seq: Sequence, out: PrefillOutput) -> list[Descriptor]:
         """Engine thread: the aux row and the descriptors to WRITE (the draft window, if it travels,
         is filled by the caller, `_fill_draft_windows`)."""
         L = len(seq.prompt)
-        rows = target.plan.aux_hidden_rows(L)
+        rows = target.transfer_plan.aux_hidden_rows(L)
         pack_aux(self.store.aux_row(seq.request_id), self.store.aux_layout, request_tag(seq.request_id),
                  out.first_token, out.hidden[-rows:] if rows else torch.zeros(0, self.model.cfg.hidden_size,
                                                                              device=self.store.device))
         src = self.store.allocation(seq.request_id)
-        return target.plan.descriptors(L, src, target.decode_alloc)
+        return target.transfer_plan.descriptors(L, src, target.decode_allocation)
 
     async def _announce(self, decode_worker_id: str, request_id: str) -> None:
         """Tell decode the WRITE starts, so it looks for it closely from now on (a hint: lost, the
@@ -416,7 +393,7 @@ class PrefillWorker(Worker):
         except BatonError as exc:
             log.info("request %s: decode not told that its WRITE starts: %s", request_id, exc)
 
-    async def _send(self, job: Job, target: Target, out: PrefillOutput, descriptors: list[Descriptor],
+    async def _send(self, job: Job, target: PrefillTarget, out: PrefillOutput, descriptors: list[Descriptor],
                     prefill_ms: float) -> None:
         rid = job.dispatch.request_id
         job.at.mark("write")

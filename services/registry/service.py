@@ -9,7 +9,7 @@ itself, every lease starts over) once it is also gone from NATS: a worker whose 
 nats-server still holds is stalled, not dead (paused, starved), and is kept up to `stall_grace_s`
 longer, so a request it holds can still finish. A worker whose heartbeat first says it is draining gets a
 "draining" event.
-Never imports torch: it validates plain-data manifests against the model config.
+Never imports torch: it validates manifests (KV records, no tensors) against the model config.
 """
 from __future__ import annotations
 
@@ -30,10 +30,9 @@ from baton.proto.internal import (Ack, Deregistration, Heartbeat, HeartbeatReply
                                   LookupRequest, PlanReply, PlanRequest, RegisterReply, WorkerEvent,
                                   WorkerInfo, WorkerLoad, WorkerRegistration)
 from baton.shared.bus import Bus
-from baton.shared.kv.codec import CodecError, from_plain, to_plain
 from baton.shared.kv.descriptors import PlanError
 from baton.shared.kv.manifest import Manifest, ManifestError, validate_manifest
-from baton.shared.kv.plan import make_plan
+from baton.shared.kv.plan import TransferPlan, make_plan
 from baton.shared.metrics import ServiceMetrics
 from baton.shared.model.config import ModelConfig
 from baton.shared.transfer.metadata_check import MetadataCheck
@@ -75,7 +74,7 @@ class Registry:
         self.metadata_check = metadata_check
         self.leases: dict[str, Lease] = {}
         self._revisions: dict[str, int] = {}  # newest revision applied per key, deletions included
-        self._plans: dict[tuple[str, str, int, int], dict] = {}  # (p, d, revisions) -> plan
+        self._plans: dict[tuple[str, str, int, int], TransferPlan] = {}  # (p, d, revisions) -> plan
         self._watcher: KeyValue.KeyWatcher | None = None
         self._tasks: list[asyncio.Task] = []
         self._swept_at = time.monotonic()
@@ -176,7 +175,7 @@ class Registry:
                 plan = make_plan(self._manifest(p_lease.info.registration), self._manifest(d_lease.info.registration))
             except PlanError as exc:
                 raise bad_request(f"no transfer plan for {req.prefill_worker_id} -> {req.decode_worker_id}: {exc}")
-            self._plans[key] = to_plain(plan)
+            self._plans[key] = plan
         return PlanReply(prefill_worker_id=req.prefill_worker_id, decode_worker_id=req.decode_worker_id,
                          plan=self._plans[key])
 
@@ -308,11 +307,10 @@ class Registry:
     # --- helpers ----------------------------------------------------------------------------
     def _manifest(self, reg: WorkerRegistration) -> Manifest:
         try:
-            manifest = from_plain(Manifest, reg.manifest)
-            validate_manifest(self.model, manifest)
-        except (CodecError, ManifestError) as exc:
+            validate_manifest(self.model, reg.manifest)
+        except ManifestError as exc:
             raise bad_request(f"manifest of {reg.worker_id} refused: {exc}")
-        return manifest
+        return reg.manifest
 
     async def _check_metadata(self, reg: WorkerRegistration, manifest: Manifest) -> None:
         """Refuse a registration whose NIXL metadata a peer could not use, before anyone looks it up."""

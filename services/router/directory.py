@@ -19,6 +19,7 @@ from baton.proto.internal import (LookupReply, LookupRequest, PlanReply, PlanReq
                                   WorkerEvent, WorkerInfo)
 from baton.shared.bus import Bus
 from baton.shared.bus.wire import decode_event
+from baton.shared.kv.plan import TransferPlan
 
 from .affinity import PrefixAffinity
 
@@ -32,7 +33,7 @@ class Directory:
         self.turns = PrefixAffinity(self.affinity.weight)  # what each decode worker's turn cache holds
         self._stale_prefixes: set[str] = set()  # workers whose cache events showed a gap
         self.workers: dict[str, WorkerInfo] = {}
-        self._plans: dict[tuple[str, str], dict] = {}
+        self._plans: dict[tuple[str, str], TransferPlan] = {}
         self._outstanding: dict[str, int] = {}  # in flight from this router: prompt tokens per prefill, requests per decode
         self._seen_at: dict[str, float] = {}  # worker id -> when this view first listed it (monotonic)
         self._lookups_started = 0
@@ -125,7 +126,7 @@ class Directory:
     def add_outstanding(self, worker_id: str, tokens: int) -> None:
         self._outstanding[worker_id] = self._outstanding.get(worker_id, 0) + tokens
 
-    async def plan(self, prefill_id: str, decode_id: str) -> dict:
+    async def plan(self, prefill_id: str, decode_id: str) -> TransferPlan:
         key = (prefill_id, decode_id)
         if key not in self._plans:
             reply = await self.bus.request(subjects.PLAN, PlanRequest(prefill_worker_id=prefill_id,

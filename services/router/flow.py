@@ -31,6 +31,7 @@ from baton.proto.internal import (Ack, PrefillDispatch, PrefillDone, PrefillTarg
 from baton.proto.public import Logprobs
 from baton.shared.bus import Bus
 from baton.shared.config import RouterSection
+from baton.shared.kv.plan import TransferPlan
 from baton.shared.metrics import Stamps
 
 from .admission import AdmissionQueue
@@ -104,9 +105,9 @@ def continued(sampling: SamplingParams, sent: int) -> SamplingParams:
     return msgspec.structs.replace(sampling, seed=(sampling.seed * 0x9E3779B97F4A7C15 + sent) % (1 << 64))
 
 
-def plan_components(plan: dict) -> list[str]:
-    """Names ("owner/kind") of the components a plan transfers, read from its plain form."""
-    return [f'{p["src"]["ident"]["owner"]}/{p["src"]["ident"]["kind"]}' for p in plan["pairs"]]
+def plan_components(plan: TransferPlan) -> list[str]:
+    """Names ("owner/kind") of the components a plan transfers."""
+    return [pair.src.name for pair in plan.pairs]
 
 
 class Flow:
@@ -345,7 +346,7 @@ class Flow:
             self._chains = (self.token_ids, {})
         return self._chains[1]
 
-    async def _reserve(self, prefill_id: str, ask_to_prefill: bool = False) -> tuple[ReserveReply, dict]:
+    async def _reserve(self, prefill_id: str, ask_to_prefill: bool = False) -> tuple[ReserveReply, TransferPlan]:
         """A reservation on the first decode that has room. With `ask_to_prefill`, one that this
         router has nothing in flight on and whose turn cache holds no prefix of the prompt is asked
         to compute the prompt itself (its reply says whether it does)."""
@@ -370,7 +371,7 @@ class Flow:
                     request_id=self.attempt_id, token_ids=self.token_ids, max_tokens=self.max_tokens,
                     sampling=self.sampling, stream_subject=self.stream_subject, prefill_worker_id=prefill_id,
                     components=plan_components(plan),
-                    draft_state=plan["draft_state"], prefill_here=here), ReserveReply, timeout=self.timeouts.control_s,
+                    draft_state=plan.draft_state, prefill_here=here), ReserveReply, timeout=self.timeouts.control_s,
                     joined_at=self.directory.joined_at(decode_id))
             except BatonError as exc:
                 self._unhold(decode_id)
@@ -423,7 +424,7 @@ class Flow:
         only token (a transfer that failed after it would leave nothing to continue)."""
         return self.max_tokens > 1 and self.sampling.logprobs is None and self.sampling.prompt_logprobs is None
 
-    async def _target(self, reservation: ReserveReply, plan: dict) -> None:
+    async def _target(self, reservation: ReserveReply, plan: TransferPlan) -> None:
         """Tell prefill where to WRITE the state it is computing; a failure, or a worker of the
         attempt leaving meanwhile, loses the attempt."""
         try:

@@ -6,11 +6,11 @@ transfer plans. See docs/kv_state.md for the contract; the modules, one job each
     store       KVStore: component tensors + allocate / extend / rollback / free / rows
     allocator   IdPool: page / slot ids, handed out as contiguous runs where possible
     host_memory huge_page_zeros: CPU pool tensors on 2 MiB huge pages (fast NIXL copies)
-    components  Component (identity, geometry, regions), Allocation (per-request record)
-    manifest    Manifest, to_msgpack / from_msgpack, validate_manifest, fingerprint
+    components  Record (what travels: frozen msgspec Structs, typed in proto/), Component
+                (identity, geometry, regions), Allocation (per-request record)
+    manifest    Manifest, validate_manifest, fingerprint
     plan        make_plan(prefill, decode) -> TransferPlan; plan.descriptors(L, src, dst)
     aux         the aux row: request tag, first token, hidden-state tail
-    codec       dataclass <-> msgpack for every message above (pack / unpack)
 """
 import importlib
 
@@ -20,10 +20,9 @@ _HOME = {
     "allocator": ("KVError", "OutOfCapacity"),
     "aux": ("AuxLayout", "AuxRecord", "pack_aux", "unpack_aux"),
     "budget": ("Capacity", "full_bytes_per_token", "plan_capacity", "sliding_bytes_per_slot"),
-    "codec": ("CodecError", "pack", "unpack"),
-    "components": ("Allocation", "Component", "ComponentId", "Geometry", "Region"),
+    "components": ("Allocation", "Component", "ComponentId", "Geometry", "Record", "Region"),
     "descriptors": ("Descriptor", "PlanError"),
-    "manifest": ("Manifest", "ManifestError", "fingerprint", "from_msgpack", "to_msgpack", "validate_manifest"),
+    "manifest": ("Manifest", "ManifestError", "fingerprint", "validate_manifest"),
     "plan": ("Pair", "TransferPlan", "make_plan"),
     "routing": ("AUX", "DRAFT", "FULL", "SWA", "SWA_RING", "TARGET", "LayerRouting", "PoolKey", "route_layers"),
     "store": ("FreeCapacity", "KVStore"),
@@ -39,10 +38,9 @@ def __getattr__(name: str):
 
 __all__ = [
     "AUX", "DRAFT", "FULL", "SWA", "SWA_RING", "TARGET", "Allocation", "AuxLayout", "AuxRecord",
-    "Capacity", "CodecError", "Component", "ComponentId", "Descriptor", "FreeCapacity",
+    "Capacity", "Component", "ComponentId", "Descriptor", "FreeCapacity",
     "Geometry", "KVError", "KVStore", "LayerRouting", "Manifest", "ManifestError",
-    "OutOfCapacity", "Pair", "PlanError", "PoolKey", "Region", "TransferPlan",
-    "full_bytes_per_token", "fingerprint", "from_msgpack", "make_plan", "pack", "pack_aux",
-    "plan_capacity", "route_layers", "sliding_bytes_per_slot", "to_msgpack", "unpack",
-    "unpack_aux", "validate_manifest",
+    "OutOfCapacity", "Pair", "PlanError", "PoolKey", "Record", "Region", "TransferPlan",
+    "full_bytes_per_token", "fingerprint", "make_plan", "pack_aux", "plan_capacity",
+    "route_layers", "sliding_bytes_per_slot", "unpack_aux", "validate_manifest",
 ]

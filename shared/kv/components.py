@@ -1,5 +1,6 @@
 """State components: what one block of KV memory is (identity), its shape (geometry), and where
-it lives (one region, for NIXL registration). Plain frozen dataclasses.
+it lives (one region, for NIXL registration). Frozen msgspec Structs: the protocol (proto/) carries
+them as typed fields, decoded and checked in C, unknown fields refused.
 
 Storage layout of a KV component (docs/architecture.md), item-major:
     data: [num_items, num_layers, item_rows, 2, kv_heads, head_dim]
@@ -12,15 +13,19 @@ The aux component is one byte tensor [1, num_slots, item_bytes] (header + hidden
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from baton.shared.kv.routing import PoolKey
 
 ITEM_MAJOR = "item_major"  # data: [items, layers, item_rows, ...]; the only layout Baton stores
 
 
-@dataclass(frozen=True)
-class ComponentId:
+class Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A KV record that travels: immutable, and a peer's record with a field this version does not
+    know is refused, never half read."""
+
+
+class ComponentId(Record):
     owner: str  # "target" | "draft" | "aux"
     kind: str  # FULL | SWA | SWA_RING | AUX
     layer_ids: tuple[int, ...]  # model layer ids held, in region order; () for aux
@@ -34,8 +39,7 @@ class ComponentId:
         return self.key.name
 
 
-@dataclass(frozen=True)
-class Geometry:
+class Geometry(Record):
     dtype: str  # element dtype of the rows ("float32", "bfloat16", ...)
     item_rows: int  # page size (FULL, SWA), ring size R (SWA_RING), hidden rows (AUX)
     num_items: int  # pages (FULL, SWA) or slots (SWA_RING, AUX)
@@ -51,15 +55,13 @@ class Geometry:
     index_map: str | None = None  # paged SWA: identity of the full->SWA page mapping used
 
 
-@dataclass(frozen=True)
-class Region:
+class Region(Record):
     addr: int  # base address of the component's region
     nbytes: int  # num_items * item_bytes
     item_bytes: int
 
 
-@dataclass(frozen=True)
-class Component:
+class Component(Record):
     ident: ComponentId
     geometry: Geometry
     regions: tuple[Region, ...]  # one: the whole component (every item, every layer)
@@ -75,9 +77,8 @@ class Component:
         return self.ident.name
 
 
-@dataclass(frozen=True)
-class Allocation:
-    """Where one request's state lives in a worker's components (plain data, sent over msgpack)."""
+class Allocation(Record):
+    """Where one request's state lives in a worker's components (ReserveReply, PrefillTarget)."""
 
     request_id: str
     num_tokens: int  # positions reserved at allocate time

@@ -1,7 +1,8 @@
 """Worker manifests: every KV component a worker registers, plus the model fingerprint.
 
-A manifest is plain data (msgpack via `to_msgpack` / `from_msgpack`, never pickle) so the
-registry can store and ship it. `validate_manifest(cfg, m)` runs at start-up and refuses, with a
+A manifest is a `Record` (components.py): it travels typed in the protocol's
+`WorkerRegistration.manifest`, decoded and type-checked by proto's codec (never pickle).
+`validate_manifest(cfg, m)` runs at start-up and refuses, with a
 `ManifestError` naming the component, anything a transfer would silently get wrong (seed 000):
   - a draft sliding-window component holding a layer that is not sliding (draft not pure SWA);
   - draft and target sliding state in different modes (SWA vs SWA_RING);
@@ -15,13 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from baton.shared.kv import codec
 from baton.shared.kv.aux import HEADER_BYTES
 from baton.shared.kv.budget import aux_layout, kv_row_bytes
-from baton.shared.kv.components import ITEM_MAJOR, Component
+from baton.shared.kv.components import ITEM_MAJOR, Component, Record
 from baton.shared.kv.routing import (AUX_KEY, DRAFT, FULL, MODES, SWA, SWA_RING, TARGET,
                                      route_layers)
 from baton.shared.model.config import SLIDING, ModelConfig
@@ -36,8 +35,7 @@ class ManifestError(ValueError):
     """A manifest that cannot be served; the message names the component and the problem."""
 
 
-@dataclass(frozen=True)
-class Manifest:
+class Manifest(Record):
     worker_id: str
     role: str  # "prefill" | "decode"
     fingerprint: str  # model fingerprint: hash of config and weights
@@ -46,17 +44,6 @@ class Manifest:
 
     def component(self, name: str) -> Component | None:
         return next((c for c in self.components if c.name == name), None)
-
-
-def to_msgpack(manifest: Manifest) -> bytes:
-    return codec.pack(manifest)
-
-
-def from_msgpack(raw: bytes) -> Manifest:
-    try:
-        return codec.unpack(Manifest, raw)
-    except codec.CodecError as exc:
-        raise ManifestError(f"malformed manifest: {exc}") from exc
 
 
 def fingerprint(config_dict: Mapping, weights: "Mapping[str, torch.Tensor] | bytes") -> str:

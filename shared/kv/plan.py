@@ -25,9 +25,7 @@ The layout (`order`, `layers_per_item`, `item_bytes`) is checked like the rest o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from baton.shared.kv.components import Allocation, Component
+from baton.shared.kv.components import Allocation, Component, Record
 from baton.shared.kv.descriptors import (Descriptor, PlanError, alloc_items, merge_runs,
                                          needed_positions)
 from baton.shared.kv.manifest import Manifest
@@ -37,14 +35,12 @@ _GEOMETRY_FIELDS = ("order", "layers_per_item", "dtype", "item_rows", "row_bytes
                     "item_bytes", "window", "kv_heads", "head_dim")
 
 
-@dataclass(frozen=True)
-class Pair:
+class Pair(Record):
     src: Component  # prefill side
     dst: Component  # decode side
 
 
-@dataclass(frozen=True)
-class TransferPlan:
+class TransferPlan(Record):
     prefill_worker: str
     decode_worker: str
     fingerprint: str
