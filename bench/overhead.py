@@ -253,7 +253,7 @@ def main() -> None:
     for name, v in table.items():
         print(f"{name:<24} {v['p50']:>8.2f} {v['p90']:>8.2f} {v['mean']:>8.2f}")
     hops = hop_table(stamps)
-    print(f"\nthe same requests hop by hop (ms; stamps from every service's request log)")
+    print("\nthe same requests hop by hop (ms; stamps from every service's request log)")
     print(f"{'':<36} {'p50':>8} {'p90':>8} {'mean':>8}")
     for name, v in hops.items():
         print(f"{name:<36} {v['p50']:>8.2f} {v['p90']:>8.2f} {v['mean']:>8.2f}")

@@ -712,7 +712,7 @@ def main() -> int:
     if args.install_only:
         return 0
     from baton.shared.model.heldout import heldout_prompts
-    from baton.shared.model.tokenizer import EOS_TOKEN, TextTokenizer
+    from baton.shared.model.tokenizer import TextTokenizer
     tok = TextTokenizer.load(MODEL_DIR)
     eos = json.loads((MODEL_DIR / "config.json").read_text()).get("eos_token_id")
     prompts = heldout_prompts(tok, args.prompts, args.prompt_len, seed=args.seed)

@@ -176,7 +176,7 @@ class CountingTokenizer:
 def test_decoding_work_is_linear(tok, most):
     ids = (tok.encode(" ".join(TEXTS)) * 40)[:2000]
     counting = CountingTokenizer(tok)
-    s, got, pieces = TextStream(counting, ["never there", "\n\n\n"]), [], []
+    s, pieces = TextStream(counting, ["never there", "\n\n\n"]), []
     for chunk in chunks(ids, random.Random(most), most):
         pieces.append(s.add(chunk)[1])
     pieces.append(s.finish())
