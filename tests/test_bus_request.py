@@ -295,3 +295,28 @@ def test_serve_returns_only_once_the_server_routes_to_the_endpoint(nats_server):
                     await service.serve(f"test.bus.fresh.{i}", CancelRequest, echo)
                     await client.request(f"test.bus.fresh.{i}", CancelRequest(request_id="r"), CancelReply, 2)
     run(scenario, nats_server)
+
+
+def test_let_out_returns_once_a_request_started_this_turn_is_written_to_the_socket(nats_server):
+    """The router dispatches a prompt, then works on its reservation: `let_out` between the two
+    puts the dispatch on the wire first (nats-py writes through a flusher task, turns later)."""
+    async def scenario(url):
+        async with await connected(url) as bus:
+            await bus.serve(SUBJECT, CancelRequest, echo)
+            transport = bus.connection._transport
+            written: list[bytes] = []
+            write = transport.writelines
+
+            def recording(chunks):
+                chunks = list(chunks)
+                written.extend(chunks)
+                return write(chunks)
+            transport.writelines = recording
+            try:
+                reply = asyncio.create_task(bus.request(SUBJECT, CancelRequest(request_id="out-first"), CancelReply))
+                await Bus.let_out()
+                assert any(b"out-first" in chunk for chunk in written), written
+                assert (await reply).cancelled
+            finally:
+                transport.writelines = write
+    run(scenario, nats_server)

@@ -279,7 +279,7 @@ class Flow:
             self._dispatch()
         else:
             self._dispatch()
-            await asyncio.sleep(0)  # the dispatch (the critical path) goes out before the reservation
+            await Bus.let_out()  # the dispatch (the critical path) goes out before the reservation
             reservation, plan = await self._reserve(self.prefill_id)
         await self._target(reservation, plan)
 

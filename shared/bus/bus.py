@@ -155,6 +155,15 @@ class Bus:
             return time.monotonic() < until
         return settling
 
+    @staticmethod
+    async def let_out() -> None:
+        """Let what tasks started this turn of the loop send reach the socket before the caller
+        goes on: a `request` is queued after two turns (its task, nats-py's request task) and
+        nats-py's flusher writes it on the next. For a message on the critical path that must
+        not wait behind the caller's own next work (the router's dispatch, before its reservation)."""
+        for _ in range(3):
+            await asyncio.sleep(0)
+
     async def publish(self, subject: str, message: Any, reply: str = "") -> None:
         """`reply`: a probe subject, answered with a 503 "no responders" once nobody listens on `subject`."""
         data = encode_for(subject, message, self._nc.max_payload)
