@@ -141,7 +141,8 @@ def test_stream_equals_unary_and_stop_strings_apply(nats_url):
 def test_cancel_mid_stream_frees_everything(nats_url):
     async def run():
         async with aggregated(nats_url) as (client, engine):
-            request = GenerateRequest(token_ids=window_prompts()[2], max_tokens=400, stream=True, request_id="agg-cancel-1")
+            request = GenerateRequest(token_ids=window_prompts()[2], max_tokens=2000, ignore_eos=True, stream=True,
+                                      request_id="agg-cancel-1")  # seconds of decoding: the cancel comes first
             got = []
             async with client.stream_request(subjects.GENERATE, request, StreamChunk, timeout_per_message=120) as chunks:
                 async for chunk in chunks:
@@ -155,19 +156,21 @@ def test_cancel_mid_stream_frees_everything(nats_url):
                                            timeout=5)
             return got, unknown
     got, unknown = asyncio.run(run())
-    assert got[-1].finished and got[-1].finish_reason == "abort" and got[-1].usage.completion_tokens < 400
+    assert got[-1].finished and got[-1].finish_reason == "abort" and got[-1].usage.completion_tokens < 2000
     assert not unknown.cancelled
 
 
 def test_full_engine_answers_busy_and_recovers(nats_url):
     async def run():
         async with aggregated(nats_url, num_slots=1) as (client, engine):
-            long = asyncio.create_task(stream(client, token_ids=window_prompts()[0], max_tokens=200))
+            long = asyncio.create_task(stream(client, token_ids=window_prompts()[0], max_tokens=2000, ignore_eos=True,
+                                              request_id="agg-long"))  # seconds of decoding: it holds the slot
             await until(lambda: engine.running, 60, "the long request running", every_s=0.01)
             with pytest.raises(BatonError) as info:
                 await client.request(subjects.GENERATE, GenerateRequest(prompt="hello", max_tokens=4),
                                      GenerateReply, timeout=30)
-            await long
+            assert (await client.request(subjects.CANCEL, CancelRequest(request_id="agg-long"), CancelReply)).cancelled
+            assert (await long)[2].finish_reason == "abort"
             after = await client.request(subjects.GENERATE, GenerateRequest(prompt="hello", max_tokens=4),
                                          GenerateReply, timeout=30)
             await assert_all_free(engine)
