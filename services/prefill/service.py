@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 
@@ -40,6 +41,7 @@ from .jobs import Job, Jobs, take_batch
 from ..worker import Worker, WorkerConfig, publish_changes, snapshot_message, speculation
 
 log = logging.getLogger("baton.prefill")
+FIRST_TOKENS_WAIT_S = 0.002  # the engine thread waits at most this for a batch's first tokens to be on the wire
 Staged = list[Descriptor] | BatonError | None  # a computed request's WRITE list, why it has none,
 # or None: its target is still to come
 
@@ -238,11 +240,19 @@ class PrefillWorker(Worker):
 
     def _stream_first_tokens(self, jobs: list[Job], outputs: list[PrefillOutput]) -> None:
         """Engine thread: each first token the router asked for goes to the loop at once, ahead of
-        the draft windows, the aux rows and the WRITE (decode sends it again once the state landed)."""
+        the draft windows, the aux rows and the WRITE (decode sends it again once the state landed).
+        The engine thread waits (at most FIRST_TOKENS_WAIT_S) until the loop has written them: when
+        it computed on, it held the core and the GIL the loop needed to send them (stop 57: sampled
+        -> published 0.54 -> 0.15 ms p50, the control plane 1.7 -> 1.3 ms)."""
+        sending = []
         for job, out in zip(jobs, outputs):
             job.at.mark("sampled")
             if job.dispatch.first_token_to is not None:
-                job.done.get_loop().call_soon_threadsafe(self._own, self._send_first_token(job, out.first_token))
+                sending.append((job, out.first_token))
+        if sending:
+            written = threading.Event()
+            sending[0][0].done.get_loop().call_soon_threadsafe(self._own, self._send_first_tokens(sending, written))
+            written.wait(FIRST_TOKENS_WAIT_S)
 
     def _own(self, coro) -> None:
         """Loop: run `coro` as a task of this worker's (drained and awaited before it leaves)."""
@@ -250,13 +260,20 @@ class PrefillWorker(Worker):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send_first_token(self, job: Job, token: int) -> None:
+    async def _send_first_tokens(self, sending: list[tuple[Job, int]], written: threading.Event) -> None:
+        """Loop: publish each (job, first token), then let nats-py's flusher write them (its next
+        turn of the loop) before the engine thread goes on."""
         try:
-            await self.bus.publish(job.dispatch.first_token_to, TokenChunk(
-                request_id=job.request_id, seq=0, token_ids=[token], source="prefill"))
-            job.at.mark("first_token")
-        except BatonError as exc:  # only the head start is lost: decode streams the token too
-            log.warning("request %s: first token not sent ahead of decode: %s", job.request_id, exc)
+            for job, token in sending:
+                try:
+                    await self.bus.publish(job.dispatch.first_token_to, TokenChunk(
+                        request_id=job.request_id, seq=0, token_ids=[token], source="prefill"))
+                    job.at.mark("first_token")
+                except BatonError as exc:  # only the head start is lost: decode streams the token too
+                    log.warning("request %s: first token not sent ahead of decode: %s", job.request_id, exc)
+            await asyncio.sleep(0)
+        finally:
+            written.set()
 
     def _allocate(self, d: PrefillDispatch) -> Hit | None:
         """Engine thread: the request's KV, from the longest cached prompt end it extends (not
