@@ -127,7 +127,3 @@ def _bound(value: float | None) -> Any:
 
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
-
-
-def _type(value: Any) -> str:
-    return "nil" if value is None else type(value).__name__
