@@ -105,11 +105,6 @@ def continued(sampling: SamplingParams, sent: int) -> SamplingParams:
     return msgspec.structs.replace(sampling, seed=(sampling.seed * 0x9E3779B97F4A7C15 + sent) % (1 << 64))
 
 
-def plan_components(plan: TransferPlan) -> list[str]:
-    """Names ("owner/kind") of the components a plan transfers."""
-    return [pair.src.name for pair in plan.pairs]
-
-
 class Flow:
     def __init__(self, bus: Bus, directory: Directory, tokens: TokenInbox, timeouts: RouterTimeouts,
                  request_id: str, token_ids: list[int], max_tokens: int, sampling: SamplingParams,
@@ -370,7 +365,7 @@ class Flow:
                 reply = await self.bus.request(subjects.decode_reserve(decode_id), ReserveRequest(
                     request_id=self.attempt_id, token_ids=self.token_ids, max_tokens=self.max_tokens,
                     sampling=self.sampling, stream_subject=self.stream_subject, prefill_worker_id=prefill_id,
-                    components=plan_components(plan),
+                    components=plan.components,
                     draft_state=plan.draft_state, prefill_here=here), ReserveReply, timeout=self.timeouts.control_s,
                     joined_at=self.directory.joined_at(decode_id))
             except BatonError as exc:

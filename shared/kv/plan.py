@@ -48,6 +48,11 @@ class TransferPlan(Record):
     not_provided: tuple[str, ...]  # decode components prefill does not send
     draft_state: str  # "none" | "transfer" | "rebuild" | "cold"
 
+    @property
+    def components(self) -> list[str]:
+        """Names ("owner/kind") of the components the plan transfers (decode waits for each)."""
+        return [pair.src.name for pair in self.pairs]
+
     def aux_hidden_rows(self, length: int) -> int:
         """Hidden rows decode needs in the aux row: h_{L-1} to start drafting, W to rebuild."""
         if self.draft_state == "none":
