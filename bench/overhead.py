@@ -1,6 +1,7 @@
 """Control-plane overhead per request, and transfer bytes per request as prompts grow.
 
     python bench/overhead.py --requests 40 --json out/overhead.json
+    python bench/overhead.py --requests 40 --cpu-wake-latency-us 0   # as `baton up --cpu-wake-latency-us 0` runs
 
 One run starts a real cluster (nats-server, registry, router, 1 prefill, 1 decode; NIXL), then:
 1. sends short requests one at a time (2 tokens each: prefill streams the first token ahead of
@@ -216,6 +217,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=2, help="tokens per latency request (1: the first "
                     "token comes through decode, after the transfer)")
+    ap.add_argument("--cpu-wake-latency-us", type=int, default=WorkerSection().cpu_wake_latency_us,
+                    help="the workers' `worker.cpu_wake_latency_us` (0: idle CPUs poll, as root; the PM QoS "
+                         "request holds for the whole machine, so the NATS baselines run under it too)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     tok = TextTokenizer.load(DEFAULT_MODEL_DIR)
@@ -226,7 +230,8 @@ def main() -> None:
                       for n in (16, W // 2, W, 2 * W, 4 * W, 8 * W, 16 * W, 32 * W, 64 * W)})
     short = heldout_prompts(tok, args.requests, args.prompt_len, seed=1)
     growing = [heldout_prompts(tok, 1, n, seed=n)[0] for n in lengths]
-    with running_cluster(worker_args=["--num-pages", "1024"]) as cluster:
+    worker_args = ["--num-pages", "1024", "--cpu-wake-latency-us", str(args.cpu_wake_latency_us)]
+    with running_cluster(worker_args=worker_args) as cluster:
         asyncio.run(send(cluster.nats_url, short[:3], 1))  # warm up
         rtt = asyncio.run(nats_rtt(cluster.nats_url, 200))
         one_way = nats_one_way_idle(cluster.nats_url, 200)
@@ -271,6 +276,7 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"latency": table, "hops": hops, "first_token_from_prefill": ahead,
+                                         "cpu_wake_latency_us": args.cpu_wake_latency_us,
                                          "max_tokens": args.max_tokens, "requests": rows, "transfer_growth": growth}, indent=2))
 
 
