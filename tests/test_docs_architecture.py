@@ -9,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "architecture.md").read_text()
-SOURCES = [p for d in ("baton", "services", "shared", "proto", "kernels") for p in (ROOT / d).rglob("*.py")]
+SOURCES = [p.read_text() for d in ("baton", "services", "shared", "proto", "kernels") for p in (ROOT / d).rglob("*.py")]
 
 
 def named(pattern: str) -> list[str]:
@@ -18,8 +18,7 @@ def named(pattern: str) -> list[str]:
 
 def class_source(name: str) -> str:
     """The text of `class name` (to the next top-level statement), wherever it is defined."""
-    for path in SOURCES:
-        text = path.read_text()
+    for text in SOURCES:
         if found := re.search(rf"^class {name}\b.*?(?=^\S|\Z)", text, re.M | re.S):
             return found[0]
     raise AssertionError(f"docs/architecture.md names class {name}, which no module defines")
