@@ -10,8 +10,16 @@
 #   5. pytest -m container (tests/test_containers.py): compose up, generate, scale, kill, down.
 # Run after scripts/bootstrap.sh (it uses .venv). Images and wheels are kept for a fast re-run
 # (BATON_CONTAINER_CACHE, default /var/cache/baton-container-ci); no container is left running.
+# --images-only: steps 1-4 and stop (.ci/run builds the images this way beside the main suite: the
+# build is mostly downloads and disk, the suite mostly CPU); the next full run finds them built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+images_only=false
+case "${1:-}" in
+  "") ;;
+  --images-only) images_only=true ;;
+  *) echo "usage: $0 [--images-only]" >&2; exit 2 ;;
+esac
 CACHE=${BATON_CONTAINER_CACHE:-/var/cache/baton-container-ci}
 PY=${BATON_PYTHON:-.venv/bin/python}  # the host side: the tests, the wheels, nats-server
 DOCKER=/usr/bin/docker  # Debian's CLI: another one may come first on PATH
@@ -127,15 +135,23 @@ except OSError:
 wheel_server=$!
 t_build=$SECONDS
 say "building $BATON_IMAGE"
+previous=$($DOCKER image inspect -f '{{.Id}}' "$BATON_IMAGE" 2> /dev/null || true)
 $DOCKER build --network host -t "$BATON_IMAGE" --build-arg BASE_IMAGE="$BATON_BASE_IMAGE" \
   --build-arg BUILD_IMAGE="$BATON_BUILD_IMAGE" \
   --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS="http://127.0.0.1:$port/" \
   --build-arg TORCH_INDEX_URL="http://127.0.0.1:$port/" . > "$CACHE/build.log" 2>&1 \
   || { tail -30 "$CACHE/build.log" >&2; die "docker build (log: $CACHE/build.log)"; }
 kill "$wheel_server" 2>/dev/null; wheel_server=""
-$DOCKER image prune -f > /dev/null  # the previous build's image, now untagged
+# the previous build's image, now untagged (not `image prune`: that also drops the build stage's
+# layers, and the next build would install torch and compile the fused ops again, ~2 minutes)
+current=$($DOCKER image inspect -f '{{.Id}}' "$BATON_IMAGE")
+[ -z "$previous" ] || [ "$previous" = "$current" ] || $DOCKER image rm "$previous" > /dev/null 2>&1 || true
 size=$($DOCKER image inspect -f '{{.Size}}' "$BATON_IMAGE")
 say "image $BATON_IMAGE: $((size / 1000000)) MB, built in $((SECONDS - t_build)) s"
+if $images_only; then
+  say "images ready in $((SECONDS - t0)) s (--images-only: no tests)"
+  exit 0
+fi
 
 # --- 5. the tests --------------------------------------------------------------------------
 export BATON_COMPOSE_LOGS="$CACHE/compose.log"  # the containers' logs, written when a test fails
