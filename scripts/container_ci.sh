@@ -63,13 +63,17 @@ fi
 mkdir -p "$CACHE"
 
 # --- 2. the daemons ------------------------------------------------------------------------
+CONTAINERD_SOCK=/run/containerd/containerd.sock
+containerd_answers() { timeout 5 ctr --address "$CONTAINERD_SOCK" version > /dev/null 2>&1; }
 if ! $DOCKER info > /dev/null 2>&1; then
-  if ! [ -S /run/containerd/containerd.sock ]; then
+  if ! containerd_answers; then
+    rm -f "$CONTAINERD_SOCK"  # a killed containerd leaves its socket behind, and dockerd would dial it
     containerd > "$CACHE/containerd.log" 2>&1 &
     started+=($!)
-    for _ in $(seq 60); do [ -S /run/containerd/containerd.sock ] && break; sleep 0.5; done
+    for _ in $(seq 60); do containerd_answers && break; sleep 0.5; done
+    containerd_answers || die "containerd did not start (log: $CACHE/containerd.log)"
   fi
-  dockerd --containerd=/run/containerd/containerd.sock > "$CACHE/dockerd.log" 2>&1 &
+  dockerd --containerd="$CONTAINERD_SOCK" > "$CACHE/dockerd.log" 2>&1 &
   started+=($!)
   for _ in $(seq 120); do $DOCKER info > /dev/null 2>&1 && break; sleep 0.5; done
   $DOCKER info > /dev/null 2>&1 || die "dockerd did not start (log: $CACHE/dockerd.log)"
