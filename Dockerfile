@@ -38,7 +38,7 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Pyth
  && /opt/build/bin/pip install ninja numpy setuptools
 COPY kernels /src/baton/kernels
 RUN touch /src/baton/__init__.py && cd /src && /opt/build/bin/python -c "from pathlib import Path; \
-from baton.kernels import cpu_fused; cpu_fused.build(Path('/out'))" && rm -rf /out/*.o /out/build.ninja /out/.ninja*
+from baton.kernels import cpu_fused; cpu_fused.build(Path('/out'))" && rm -rf /out/*.o /out/*.built /out/build.ninja /out/.ninja*
 
 FROM ${BASE_IMAGE}
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu

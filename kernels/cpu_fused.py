@@ -67,17 +67,25 @@ SOURCE = Path(__file__).with_name("cpu_fused.cpp")
 PREBUILT = SOURCE.with_name("prebuilt")  # `<module name>.so` built elsewhere (the image's build stage)
 BUILD_LOCK = "baton-build.flock"  # beside torch's own `lock` in the build directory (`build`)
 BUILD_WAIT_S = 900.0  # a build takes ~25 s on 2 cores; past this, the references run
+BUILT = ".built"  # `<module name>.built`: written once a build finished, beside its module
+CFLAGS = ["-O3", "-fopenmp"]
 
 
 def module_name() -> str:
-    """Named by the source's content: torch's cache decides staleness by file times (ninja), so a
-    copy that keeps an older time than the cached build would load that build, of other code."""
-    return f"baton_cpu_fused_{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
+    """Named by what the module is built from: the source's content, torch's version (its
+    headers and ABI) and the flags. torch's cache decides staleness by file times and by the
+    paths in its build file (ninja): a copy that keeps an older time than the cached build would
+    load that build, of other code, and another checkout or virtual environment (other paths)
+    would compile it all again."""
+    key = b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode()])
+    return f"baton_cpu_fused_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
 def build(directory: Path | None = None):
     """Compile the ops (a no-op when the cached build is current) -> the module; its file is
     `<directory>/<module_name()>.so` when `directory` is given, else in torch's extension cache.
+    A build that finished there (BUILT) is loaded as it is, whichever checkout made it: its name
+    says what it was built from.
 
     torch guards a build with a `lock` file that it removes when the build ends; a process killed
     while building leaves it, and every later build of the name then waits for it forever (a
@@ -87,15 +95,20 @@ def build(directory: Path | None = None):
     import ninja  # the pip package: torch's build calls `ninja`, which may not be on PATH
     from torch.utils import cpp_extension
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    where = directory or Path(cpp_extension._get_build_directory(module_name(), verbose=False))
+    name = module_name()
+    where = directory or Path(cpp_extension._get_build_directory(name, verbose=False))
     where.mkdir(parents=True, exist_ok=True)
     with _build_lock(where / BUILD_LOCK):
         stale = where / "lock"
         if stale.exists():
             log.warning("removing %s, left by a build of the fused CPU ops that did not finish", stale)
             stale.unlink(missing_ok=True)
-        return cpp_extension.load(module_name(), [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                                  extra_ldflags=["-fopenmp"], build_directory=str(where))
+        if (where / f"{name}{BUILT}").exists():
+            return _load(where / f"{name}.so")
+        module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                                    build_directory=str(where))
+        (where / f"{name}{BUILT}").touch()
+        return module
 
 
 @contextlib.contextmanager
@@ -119,12 +132,14 @@ def _build_lock(path: Path, timeout_s: float = BUILD_WAIT_S) -> Iterator[None]:
 
 def _prebuilt():
     """The module from PREBUILT, if a build of this source is there; else None."""
-    name = module_name()
-    path = PREBUILT / f"{name}.so"
-    if not path.exists():
-        return None
-    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path, loader=loader))
+    path = PREBUILT / f"{module_name()}.so"
+    return _load(path) if path.exists() else None
+
+
+def _load(path: Path):
+    """The extension module in `path` (`<module name>.so`)."""
+    loader = importlib.machinery.ExtensionFileLoader(path.stem, str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(path.stem, path, loader=loader))
     loader.exec_module(module)
     return module
 

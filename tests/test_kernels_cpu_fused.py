@@ -373,3 +373,26 @@ def test_a_lock_left_by_a_killed_build_is_removed_not_waited_for(ext, tmp_path):
     assert done.stdout.strip() == str(where / f"{cpu_fused.module_name()}.so")
     assert "left by a build of the fused CPU ops that did not finish" in done.stderr
     assert not (where / "lock").exists()
+
+
+def test_a_finished_build_from_another_checkout_is_loaded_without_compiling(ext, tmp_path):
+    """torch's cache rebuilds whenever its build file names other paths (another checkout, another
+    virtual environment: ~25 s on 2 cores, each time two of them take turns). A build that
+    finished (its BUILT mark) is loaded as it is: the module's name already pins the source,
+    torch's version and the flags."""
+    from torch.utils import cpp_extension
+    name = cpu_fused.module_name()
+    cached = Path(cpp_extension._get_build_directory(name, verbose=False))
+    where = tmp_path / "build"
+    shutil.copytree(cached, where, ignore=shutil.ignore_patterns("lock", cpu_fused.BUILD_LOCK))
+    assert (where / f"{name}{cpu_fused.BUILT}").exists()  # the session's build (`ext`) finished
+    ninja_file = where / "build.ninja"
+    ninja_file.write_text(ninja_file.read_text().replace(str(cpu_fused.SOURCE), "/elsewhere/kernels/cpu_fused.cpp"))
+    before = (ninja_file.read_text(), (where / f"{name}.so").stat().st_mtime_ns)
+    probe = ("import sys, torch; from pathlib import Path; from baton.kernels import cpu_fused; "
+             "m = cpu_fused.build(Path(sys.argv[1])); x = torch.tensor([[1.0, 3.0, 3.0, -2.0], [0.5, -1.0, 0.25, 0.5]]); "
+             "print(m.__file__, m.argmax(x).tolist())")
+    done = subprocess.run([sys.executable, "-c", probe, str(where)], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split(maxsplit=1) == [str(where / f"{name}.so"), "[1, 0]\n"], done.stderr
+    assert (ninja_file.read_text(), (where / f"{name}.so").stat().st_mtime_ns) == before  # not rebuilt
+
