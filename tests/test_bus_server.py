@@ -25,6 +25,22 @@ def test_sync_use_serves_jetstream_and_cleans_up():
     assert not store.exists()
 
 
+def server_environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
+
+
+def test_the_server_runs_on_one_go_thread_unless_the_environment_says_otherwise(monkeypatch):
+    """GOMAXPROCS=1: a message crosses the server on the thread that read it (the control plane's
+    hops, docs/benchmarks.md); a GOMAXPROCS the caller set is passed on as it is."""
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    with NatsServer(jetstream=False) as server:
+        assert server_environ(server.pid)["GOMAXPROCS"] == "1"
+    monkeypatch.setenv("GOMAXPROCS", "3")
+    with NatsServer(jetstream=False) as server:
+        assert server_environ(server.pid)["GOMAXPROCS"] == "3"
+
+
 def test_async_use_and_two_servers_get_different_ports():
     async def scenario():
         async with NatsServer(jetstream=False) as first, NatsServer(jetstream=False) as second:

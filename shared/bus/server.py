@@ -37,6 +37,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+# Go's scheduler runs the server's goroutines on this many threads unless the environment says
+# otherwise. One: a message then goes from the publisher's connection to the subscriber's on one
+# thread, without waking another (on a 2-vCPU VM the control plane's p50 went 1.07-1.37 -> 0.97-1.17
+# ms, bench/overhead.py, docs/benchmarks.md stop 61); Baton's message rates are far below one core's.
+GOMAXPROCS = "1"
+
+
 class NatsServer:
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, jetstream: bool = True,
                  store_dir: str | Path | None = None, config_file: str | Path | None = None,
@@ -108,6 +115,7 @@ class NatsServer:
             command += ["-js", "-sd", str(self._store_dir or self._tmp.name)]
         self._log = tempfile.TemporaryFile()
         self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={"GOMAXPROCS": GOMAXPROCS, **os.environ},
                                          preexec_fn=process.die_with_parent() if self._die_with_parent else None)
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:
