@@ -44,6 +44,21 @@ def test_request_reply(nats_server):
     run(scenario, nats_server)
 
 
+def test_a_request_is_written_to_the_socket_by_the_request_itself(nats_server):
+    """A lone request does not wait for nats-py's flusher task: `request` writes it to the socket
+    a turn after its task queued it (the router's dispatch is on every first token's path). A
+    nats-py whose internals differ leaves it to the flusher: this fails then."""
+    async def scenario(url):
+        async with await connected(url) as bus:
+            await bus.serve(SUBJECT, CancelRequest, echo)
+            wrote, write_pending = [], bus.write_pending
+            bus.write_pending = lambda: wrote.append(write_pending()) or wrote[-1]
+            reply = await bus.request(SUBJECT, CancelRequest(request_id="r1"), CancelReply, timeout=2)
+            assert reply == CancelReply(request_id="r1", cancelled=True)
+            assert wrote == [True]
+    run(scenario, nats_server)
+
+
 def test_a_comma_separated_server_list_connects_to_one_that_answers(nats_server):
     """`--nats-url a,b,c` as `baton generate` passes it: servers tried in turn, not one bad URL."""
     async def scenario(url):

@@ -261,8 +261,8 @@ class PrefillWorker(Worker):
         task.add_done_callback(self._tasks.discard)
 
     async def _send_first_tokens(self, sending: list[tuple[Job, int]], written: threading.Event) -> None:
-        """Loop: publish each (job, first token), then let nats-py's flusher write them (its next
-        turn of the loop) before the engine thread goes on."""
+        """Loop: publish each (job, first token) and write them to the socket before the engine
+        thread goes on."""
         try:
             for job, token in sending:
                 try:
@@ -271,7 +271,7 @@ class PrefillWorker(Worker):
                     job.at.mark("first_token")
                 except BatonError as exc:  # only the head start is lost: decode streams the token too
                     log.warning("request %s: first token not sent ahead of decode: %s", job.request_id, exc)
-            await asyncio.sleep(0)
+            self.bus.write_pending()
         finally:
             written.set()
 

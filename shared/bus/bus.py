@@ -119,7 +119,10 @@ class Bus:
         with nats_errors_mapped(subject, timeout):
             while True:
                 try:  # nats-py's own timer off (None): ours gives a reply that came during a pause its chance
-                    msg = await within(self._nc.request(subject, data, timeout=None), timeout)
+                    sending = asyncio.ensure_future(self._nc.request(subject, data, timeout=None))
+                    await asyncio.sleep(0)  # its task queues the message ...
+                    self.write_pending()  # ... which goes out now, not on nats-py's flusher's turn
+                    msg = await within(sending, timeout)
                     break
                 except nats.errors.NoRespondersError:
                     if not settling():
@@ -155,13 +158,28 @@ class Bus:
             return time.monotonic() < until
         return settling
 
+    def write_pending(self) -> bool:
+        """Write what nats-py has queued to the socket now; True if there was something. nats-py
+        queues every message and its flusher task writes the queue on a later turn of the loop:
+        one write for many messages (a decode step's chunks), but a lone message on the first
+        token's path (the dispatch, the first token) waits for it. Uses nats-py 2.x internals
+        (`_pending`, `_transport`); where they differ, nothing is written here and the flusher
+        writes as before (tests/test_bus_request.py fails then)."""
+        nc = self._nc
+        pending, transport = getattr(nc, "_pending", None), getattr(nc, "_transport", None)
+        if not (pending and transport is not None and nc.is_connected and hasattr(nc, "_pending_data_size")):
+            return False
+        transport.writelines(pending)
+        nc._pending, nc._pending_data_size = [], 0  # the flusher finds nothing left
+        return True
+
     @staticmethod
     async def let_out() -> None:
         """Let what tasks started this turn of the loop send reach the socket before the caller
-        goes on: a `request` is queued after two turns (its task, nats-py's request task) and
-        nats-py's flusher writes it on the next. For a message on the critical path that must
-        not wait behind the caller's own next work (the router's dispatch, before its reservation)."""
-        for _ in range(3):
+        goes on: a `request` is written after two turns (its task, nats-py's request task). For a
+        message on the critical path that must not wait behind the caller's own next work (the
+        router's dispatch, before its reservation)."""
+        for _ in range(2):
             await asyncio.sleep(0)
 
     async def publish(self, subject: str, message: Any, reply: str = "") -> None:
