@@ -14,7 +14,7 @@ from baton.proto.errors import BatonError, ErrorCode, ErrorReply
 from baton.proto.internal import PlanReply, PlanRequest
 from baton.proto.public import CancelReply, CancelRequest, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
-from e2e_cluster import done_within
+from e2e_cluster import done_within, until
 
 pytestmark = pytest.mark.integration
 
@@ -56,6 +56,30 @@ def test_a_request_is_written_to_the_socket_by_the_request_itself(nats_server):
             reply = await bus.request(SUBJECT, CancelRequest(request_id="r1"), CancelReply, timeout=2)
             assert reply == CancelReply(request_id="r1", cancelled=True)
             assert wrote == [True]
+    run(scenario, nats_server)
+
+
+def test_a_request_cancelled_before_it_is_written_leaves_no_task_waiting_for_its_reply(nats_server):
+    """Cancelled in the turn between queueing and writing, the request's nats-py task (which has
+    no timer of its own) is cancelled too, not left waiting for a reply that never comes."""
+    async def scenario(url):
+        never = asyncio.Event()
+
+        async def silent(request: CancelRequest) -> CancelReply:
+            await never.wait()
+        async with await connected(url) as bus:
+            await bus.serve(SUBJECT, CancelRequest, silent)
+            await bus.serve(SUBJECT + ".echo", CancelRequest, echo)  # nats-py's reply subscription (its task) made first
+            await bus.request(SUBJECT + ".echo", CancelRequest(request_id="r0"), CancelReply, timeout=2)
+            before = asyncio.all_tasks()
+            asking = asyncio.create_task(bus.request(SUBJECT, CancelRequest(request_id="r1"), CancelReply, timeout=30))
+            await asyncio.sleep(0)  # `asking` started its request task and waits a turn
+            asking.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asking
+            left = lambda: {t for t in asyncio.all_tasks() - before if "serve" not in t.get_name()}
+            await until(lambda: not left(), 5, "no task of the cancelled request left", every_s=0.01)
+            never.set()  # the handler ends: the bus closes without waiting out its grace period
     run(scenario, nats_server)
 
 

@@ -120,7 +120,11 @@ class Bus:
             while True:
                 try:  # nats-py's own timer off (None): ours gives a reply that came during a pause its chance
                     sending = asyncio.ensure_future(self._nc.request(subject, data, timeout=None))
-                    await asyncio.sleep(0)  # its task queues the message ...
+                    try:
+                        await asyncio.sleep(0)  # its task queues the message ...
+                    except asyncio.CancelledError:
+                        sending.cancel()  # it would wait for its reply forever (no timer of its own)
+                        raise
                     self.write_pending()  # ... which goes out now, not on nats-py's flusher's turn
                     msg = await within(sending, timeout)
                     break
