@@ -68,7 +68,7 @@ PREBUILT = SOURCE.with_name("prebuilt")  # `<module name>.so` built elsewhere (t
 BUILD_LOCK = "baton-build.flock"  # beside torch's own `lock` in the build directory (`build`)
 BUILD_WAIT_S = 900.0  # a build takes ~25 s on 2 cores; past this, the references run
 BUILT = ".built"  # `<module name>.built`: written once a build finished, beside its module
-CFLAGS = ["-O3", "-fopenmp"]
+CFLAGS, LDFLAGS = ("-O3", "-fopenmp"), ("-fopenmp",)  # torch's build appends to the lists it is given: copies go
 
 
 def module_name() -> str:
@@ -77,7 +77,7 @@ def module_name() -> str:
     paths in its build file (ninja): a copy that keeps an older time than the cached build would
     load that build, of other code, and another checkout or virtual environment (other paths)
     would compile it all again."""
-    key = b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode()])
+    key = b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS + LDFLAGS).encode()])
     return f"baton_cpu_fused_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
@@ -103,11 +103,12 @@ def build(directory: Path | None = None):
         if stale.exists():
             log.warning("removing %s, left by a build of the fused CPU ops that did not finish", stale)
             stale.unlink(missing_ok=True)
-        if (where / f"{name}{BUILT}").exists():
+        finished = where / f"{name}{BUILT}"
+        if finished.exists():
             return _load(where / f"{name}.so")
-        module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                                     build_directory=str(where))
-        (where / f"{name}{BUILT}").touch()
+        finished.touch()
         return module
 
 
