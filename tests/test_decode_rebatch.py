@@ -1,6 +1,6 @@
 """Decode's batch between two steps (`DecodeWorker._rebatch`, on the engine thread): who leaves,
-who joins, what the loop is told; and a run whose step raises (pure logic; the worker's other
-parts are stand-ins)."""
+who joins, what the loop is told; a prompt computed here streams its first token before its draft
+window; and a run whose step raises (pure logic; the worker's other parts are stand-ins)."""
 import asyncio
 import threading
 from collections import deque
@@ -24,7 +24,7 @@ def request(name: str) -> Request:
 def worker(members=(), joining=(), max_batch=4, fail=()):
     started = []
 
-    def start(req: Request) -> None:
+    def start(req: Request, post) -> None:
         if req.seq.request_id in fail:
             raise RuntimeError("no aux row")
         started.append(req.seq.request_id)
@@ -128,7 +128,7 @@ def test_a_step_that_raises_fails_its_batch_and_the_service_goes_on(monkeypatch)
         return await asyncio.to_thread(fn, *args)
     w, _ = worker(joining=[a, b])
     w.__dict__.update(
-        _start=lambda req: None, _stepping=False, _engine_wake=threading.Event(),
+        _start=lambda req, post: None, _stepping=False, _engine_wake=threading.Event(),
         engine=SimpleNamespace(call=engine_call), runner=SimpleNamespace(step=step),
         metrics=SimpleNamespace(step_seconds=SimpleNamespace(observe=lambda s: None),
                                 tokens=SimpleNamespace(inc=lambda n: None)),
@@ -147,3 +147,65 @@ def test_a_step_that_raises_fails_its_batch_and_the_service_goes_on(monkeypatch)
     assert all("a decode step failed: RuntimeError: kernel fault" in message for _, _, message in errors)
     assert freed == ["a", "b"] and finished == [("c", "length")]
     assert w._members == [] and not w._stepping and list(w.requests) == []
+
+
+class RecordingBus:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int, list[int]]] = []  # (subject, chunk seq, tokens), as written
+
+    async def publish(self, subject, message, reply="") -> None:
+        self.sent.append((subject, message.seq, message.token_ids))
+
+    def write_pending(self) -> bool:
+        return True
+
+
+class PrefillHereRunner:
+    """`ModelRunner.prefill_and_start` as decode calls it for a prompt it computes itself: the
+    first token 7, drawn before the draft window; notes what the bus had sent by the window."""
+
+    def __init__(self, bus: RecordingBus) -> None:
+        self.bus, self.sent_by_the_window = bus, {}
+
+    def prefill_and_start(self, seqs, draft_state, sampled_by=None, on_sampled=None):
+        if on_sampled is not None:
+            on_sampled([SimpleNamespace(first_token=7)])
+        self.sent_by_the_window[seqs[0].request_id] = list(self.bus.sent)
+        seqs[0].emit([7])  # start_decode
+
+
+def test_a_prompt_computed_here_streams_its_first_token_before_its_draft_window_once(monkeypatch):
+    """Without logprobs, the first token goes out as soon as it is drawn and the engine thread
+    waits until it is written; with logprobs (computed as the request starts), once it starts.
+    Each request's first token goes out once, as chunk 0."""
+    monkeypatch.setattr(decode_service, "FIRST_TOKEN_WAIT_S", 60.0)  # only the loop's signal ends the wait
+    bus = RecordingBus()
+    plain, with_logprobs = request("plain"), request("logprobs")
+    with_logprobs.seq = Sequence("logprobs", [1, 2, 3], 8, SamplingParams(), logprobs=1)
+    for r in (plain, with_logprobs):
+        r.stream, r.prefill = f"inbox.{r.seq.request_id}", Sequence(r.seq.request_id, [1, 2, 3], 8, SamplingParams())
+    w, _ = worker(joining=[plain, with_logprobs])
+    w.__dict__.update(bus=bus, runner=PrefillHereRunner(bus), spec=SimpleNamespace(enabled=True), probe_prefix="probe")
+    for name in ("_start", "_prefill_here", "_after", "_publish_first", "_publish"):
+        setattr(w, name, MethodType(getattr(DecodeWorker, name), w))
+    w._stream_first_token = DecodeWorker._stream_first_token
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        tasks = []
+
+        def post(item: tuple) -> None:  # engine thread -> loop, as `_run_batch` does
+            loop.call_soon_threadsafe(lambda: tasks.append(asyncio.ensure_future(w._after(*item))))
+        batch = await asyncio.wait_for(asyncio.to_thread(DecodeWorker._rebatch, w, post), 10)
+
+        async def both_posted() -> None:  # "first" (the plain request), then "rebatch"
+            while len(tasks) < 2:
+                await asyncio.sleep(0)
+        await asyncio.wait_for(both_posted(), 10)
+        await asyncio.gather(*tasks)
+        return batch
+    batch = asyncio.run(scenario())
+    assert names(batch) == ["plain", "logprobs"]
+    assert w.runner.sent_by_the_window == {"plain": [("inbox.plain", 0, [7])], "logprobs": [("inbox.plain", 0, [7])]}
+    assert bus.sent == [("inbox.plain", 0, [7]), ("inbox.logprobs", 0, [7])]
+    assert plain.first_token_at is not None and with_logprobs.first_token_at is not None

@@ -102,6 +102,24 @@ def test_min_tokens_generates_past_stop_tokens_exactly(model, spec):
         assert (s.output, s.finish_reason) == ((ref[:end], "stop") if end else (ref, "length")), min_tokens
 
 
+def test_prefill_and_start_hands_out_the_first_tokens_before_the_draft_windows(model, monkeypatch):
+    """`on_sampled` gets each prompt's first token as soon as it is drawn (decode and the
+    aggregated baseline stream it from there), before the draft windows are computed."""
+    engine = LocalEngine(model, SpecConfig(True, 3, "transfer"),
+                         WorkerSection(num_pages=200, page_size=4, num_slots=8, kv_mode="ring"), prefill_chunk=5)
+    seqs = [Sequence(f"r{i}", p, 4) for i, p in enumerate(PROMPTS)]
+    for s in seqs:
+        engine.store.allocate(s.request_id, engine.reservation(s))
+    order = []
+    fill = engine.runner.fill_draft_windows
+    monkeypatch.setattr(engine.runner, "fill_draft_windows", lambda *a: (order.append("draft windows"), fill(*a)))
+    outputs = engine.runner.prefill_and_start(seqs, "transfer", on_sampled=lambda outs: order.append(
+        [o.first_token for o in outs]))
+    firsts = [dense_greedy(model, p, 1)[0] for p in PROMPTS]
+    assert order == [firsts, "draft windows"]
+    assert [o.first_token for o in outputs] == [s.output[0] for s in seqs] == firsts
+
+
 def test_transfer_and_rebuild_accept_identically(model):
     """transfer and rebuild put the same draft state in place, so acceptance matches exactly."""
     t = run_aggregated(model, SpecConfig(True, 3, "transfer"), PROMPTS, 17)

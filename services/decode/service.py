@@ -44,6 +44,7 @@ from ..worker import Worker, WorkerConfig, publish_changes, snapshot_message, sp
 
 log = logging.getLogger("baton.decode")
 PARK_S = 0.5  # how long an engine thread with nothing to step waits for an arrival before returning
+FIRST_TOKEN_WAIT_S = 0.002  # a prompt computed here: the engine thread waits at most this for its first token to be on the wire
 
 
 @dataclass
@@ -283,12 +284,12 @@ class DecodeWorker(Worker):
         await self._publish(req, [token])
         req.at.mark("first_chunk")
 
-    def _start(self, req: Request) -> None:
+    def _start(self, req: Request, post: Callable[[tuple], None]) -> None:
         """Engine thread: read the aux row prefill wrote (or prefill here) and hand the request to
         the step loop."""
         seq = req.seq
         if req.prefill is not None:
-            self._prefill_here(req)
+            self._prefill_here(req, post)
             return
         L = len(seq.prompt)
         rows = min(L, self.store.aux_layout.hidden_rows) if req.draft_state == "rebuild" else 1
@@ -298,11 +299,24 @@ class DecodeWorker(Worker):
         else:
             self.runner.start_decode(seq, record.first_token, record.hidden[-1:], "cold")
 
-    def _prefill_here(self, req: Request) -> None:
+    def _prefill_here(self, req: Request, post: Callable[[tuple], None]) -> None:
         """Engine thread: compute the prompt as prefill does (its first token drawn with the
-        request's own seed, its draft window when that travels) and start decoding it."""
+        request's own seed, its draft window when that travels) and start decoding it. The first
+        token is streamed as soon as it is drawn, ahead of the draft window, as prefill streams it;
+        with logprobs asked for, once the request starts (`start_decode` computes them)."""
         state = req.draft_state if self.spec.enabled else "cold"
-        self.runner.prefill_and_start([req.seq], state, sampled_by=[req.prefill])
+        ahead = None if req.seq.logprobs is not None else (
+            lambda outputs: self._stream_first_token(req, outputs[0].first_token, post))
+        self.runner.prefill_and_start([req.seq], state, sampled_by=[req.prefill], on_sampled=ahead)
+
+    @staticmethod
+    def _stream_first_token(req: Request, token: int, post: Callable[[tuple], None]) -> None:
+        """Engine thread: hand the first token to the loop and wait (at most FIRST_TOKEN_WAIT_S)
+        until it is written: computing on meanwhile would hold the core and the GIL the loop needs
+        to send it (prefill's `_stream_first_tokens`)."""
+        written = threading.Event()
+        post(("first", req, token, written))
+        written.wait(FIRST_TOKEN_WAIT_S)
 
     # --- decode loop ----------------------------------------------------------------------
     async def _step_loop(self) -> None:
@@ -371,7 +385,7 @@ class DecodeWorker(Worker):
             req = self._joining.popleft()
             if not req.abort:
                 try:
-                    self._start(req)
+                    self._start(req, post)
                 except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
                     log.exception("request %s could not start", req.seq.request_id)
                     req.failed, req.abort = True, f"could not start: {type(exc).__name__}: {exc}"
@@ -387,8 +401,16 @@ class DecodeWorker(Worker):
             post(("rebatch", left, joined))
         return members  # a new list each time: the loop may hold the last one
 
-    async def _after(self, kind: str, first: list[Request], second: list) -> None:
-        """Loop: what the engine thread posted, in its order."""
+    async def _after(self, kind: str, first, second, written: threading.Event | None = None) -> None:
+        """Loop: what the engine thread posted, in its order: ("step", members, their tokens),
+        ("rebatch", left, joined), ("first", request, its first token, the engine thread's event)."""
+        if kind == "first":
+            try:
+                await self._publish_first(first, second)
+                self.bus.write_pending()  # now, not on nats-py's flusher's turn: the engine thread waits for it
+            finally:
+                written.set()
+            return
         if kind == "step":
             for req, tokens in zip(first, second):
                 if tokens and not req.abort:
@@ -403,8 +425,8 @@ class DecodeWorker(Worker):
                 self.requests.pop(tag, None)
             else:
                 await self._finish(tag, req, req.seq.finish_reason or req.released_as)
-        for req in second:
-            if req.seq.logprobs is not None or req.prefill is not None:
+        for req in second:  # the first token of those it has not gone out for (`_arrivals`, `_prefill_here`)
+            if req.seq.logprobs is not None:
                 await self._publish_first(req, req.seq.output[0])
 
     async def _idle(self) -> None:

@@ -136,13 +136,17 @@ class ModelRunner:
             self._draft(chunks, ids, torch.cat(prev), rows=self._host_index([]))
 
     def prefill_and_start(self, seqs: list[Sequence], draft_state: str,
-                          sampled_by: list[Sequence] | None = None) -> list[PrefillOutput]:
+                          sampled_by: list[Sequence] | None = None,
+                          on_sampled: Callable[[list[PrefillOutput]], None] | None = None) -> list[PrefillOutput]:
         """Prefill the prompts and start decoding them on this store, as prefill + decode would:
         the draft windows as `draft_state` says (transfer: filled now; rebuild: from the prompt's
         last W hidden states; cold). `sampled_by`: the sequences each first token is drawn with
-        (prefill's own; default `seqs`)."""
+        (prefill's own; default `seqs`). `on_sampled(outputs)`: as soon as the first tokens are
+        drawn, before the draft windows (to stream them ahead, as prefill does)."""
         first = sampled_by or seqs
         outputs = self.prefill(first)
+        if on_sampled is not None:
+            on_sampled(outputs)
         if draft_state == "transfer":
             self.fill_draft_windows(first, outputs)
         rows = self.window if draft_state == "rebuild" else 1
