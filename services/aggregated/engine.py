@@ -29,7 +29,7 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.public import Logprobs
 from baton.shared import wake_latency
 from baton.shared.config import WorkerSection
-from baton.shared.engine.runner import ModelRunner
+from baton.shared.engine.runner import ModelRunner, PrefillOutput
 from baton.shared.engine.sampling import SamplingParams
 from baton.shared.engine.sequence import DECODE_SEED_SALT, Sequence
 from baton.shared.kv.allocator import KVError, OutOfCapacity
@@ -223,14 +223,20 @@ class AggregatedEngine:
         return batch
 
     async def _admit(self, batch: list[Job]) -> None:
+        loop = asyncio.get_running_loop()
+
+        def sampled(outputs: list[PrefillOutput]) -> None:  # engine thread: the first tokens, ahead of the draft windows
+            for job, out in zip(batch, outputs):
+                if job.seq.logprobs is None and job.seq.prompt_logprobs is None:  # else they come with them
+                    loop.call_soon_threadsafe(job._push, [out.first_token])
         try:
-            await self.thread.call(self._prefill, batch)
+            await self.thread.call(self._prefill, batch, sampled)
         except Exception as exc:  # noqa: BLE001 - the batch fails, the engine goes on
             log.exception("prefill of %d requests failed", len(batch))
             await self._fail(batch, exc)
             return
         for job in batch:
-            job._push(job.seq.output[:])
+            job._push(job.seq.output[job.sent:])
         self.running += batch
 
     async def _step(self, jobs: list[Job]) -> None:
@@ -258,10 +264,11 @@ class AggregatedEngine:
             job._fail(BatonError(ErrorCode.INTERNAL, f"request {job.request_id} failed: {type(exc).__name__}: {exc}"))
 
     # --- engine thread ------------------------------------------------------------------------
-    def _prefill(self, batch: list[Job]) -> None:
-        """Prefill the prompts and start decoding them, exactly as prefill + decode would."""
+    def _prefill(self, batch: list[Job], sampled: Callable[[list[PrefillOutput]], None]) -> None:
+        """Prefill the prompts and start decoding them, exactly as prefill + decode would (the
+        first tokens to `sampled` as soon as they are drawn, as prefill streams them)."""
         state = self.spec.draft_state if self.spec.enabled else "cold"
-        outputs = self.runner.prefill_and_start([j.seq for j in batch], state)
+        outputs = self.runner.prefill_and_start([j.seq for j in batch], state, on_sampled=sampled)
         for job, out in zip(batch, outputs):
             job.prompt_logprobs = out.prompt_logprobs
             job.seq.gen = job.decode_gen  # decode draws from its own stream (see submit)
