@@ -186,7 +186,7 @@ def test_a_prompt_computed_here_streams_its_first_token_before_its_draft_window_
         r.stream, r.prefill = f"inbox.{r.seq.request_id}", Sequence(r.seq.request_id, [1, 2, 3], 8, SamplingParams())
     w, _ = worker(joining=[plain, with_logprobs])
     w.__dict__.update(bus=bus, runner=PrefillHereRunner(bus), spec=SimpleNamespace(enabled=True), probe_prefix="probe")
-    for name in ("_start", "_prefill_here", "_after", "_publish_first", "_publish"):
+    for name in ("_start", "_prefill_here", "_after", "_first_ahead", "_publish_first", "_publish"):
         setattr(w, name, MethodType(getattr(DecodeWorker, name), w))
     w._stream_first_token = DecodeWorker._stream_first_token
 

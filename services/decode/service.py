@@ -401,16 +401,13 @@ class DecodeWorker(Worker):
             post(("rebatch", left, joined))
         return members  # a new list each time: the loop may hold the last one
 
-    async def _after(self, kind: str, first, second, written: threading.Event | None = None) -> None:
+    async def _after(self, kind: str, *posted) -> None:
         """Loop: what the engine thread posted, in its order: ("step", members, their tokens),
-        ("rebatch", left, joined), ("first", request, its first token, the engine thread's event)."""
+        ("rebatch", left, joined) or ("first", a request computed here, its first token, the engine
+        thread's event)."""
         if kind == "first":
-            try:
-                await self._publish_first(first, second)
-                self.bus.write_pending()  # now, not on nats-py's flusher's turn: the engine thread waits for it
-            finally:
-                written.set()
-            return
+            return await self._first_ahead(*posted)
+        first, second = posted
         if kind == "step":
             for req, tokens in zip(first, second):
                 if tokens and not req.abort:
@@ -428,6 +425,15 @@ class DecodeWorker(Worker):
         for req in second:  # the first token of those it has not gone out for (`_arrivals`, `_prefill_here`)
             if req.seq.logprobs is not None:
                 await self._publish_first(req, req.seq.output[0])
+
+    async def _first_ahead(self, req: Request, token: int, written: threading.Event) -> None:
+        """Loop: the first token of a prompt computed here (`_stream_first_token`), written at once,
+        not on nats-py's flusher's turn: the engine thread waits for it."""
+        try:
+            await self._publish_first(req, token)
+            self.bus.write_pending()
+        finally:
+            written.set()
 
     async def _idle(self) -> None:
         self.wake.clear()
