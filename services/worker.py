@@ -34,6 +34,10 @@ from baton.shared.transfer.agent import PeerInfo, TransferAgent
 from baton.shared.transfer.regions import regions_of
 
 log = logging.getLogger("baton.worker")
+# prefill, and decode for a prompt it computes itself: the engine thread, having handed first tokens
+# to the loop, waits at most this for them to be on the wire before it computes on (holding the core
+# and the GIL the loop needs to send them)
+FIRST_TOKENS_WAIT_S = 0.002
 HEARTBEAT_S = 1.0  # the load in heartbeats is at most this old (router balancing, tests' leak checks)
 
 

@@ -178,7 +178,7 @@ def test_a_prompt_computed_here_streams_its_first_token_before_its_draft_window_
     """Without logprobs, the first token goes out as soon as it is drawn and the engine thread
     waits until it is written; with logprobs (computed as the request starts), once it starts.
     Each request's first token goes out once, as chunk 0."""
-    monkeypatch.setattr(decode_service, "FIRST_TOKEN_WAIT_S", 60.0)  # only the loop's signal ends the wait
+    monkeypatch.setattr(decode_service, "FIRST_TOKENS_WAIT_S", 60.0)  # only the loop's signal ends the wait
     bus = RecordingBus()
     plain, with_logprobs = request("plain"), request("logprobs")
     with_logprobs.seq = Sequence("logprobs", [1, 2, 3], 8, SamplingParams(), logprobs=1)

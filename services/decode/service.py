@@ -40,11 +40,10 @@ from baton.shared.transfer.arrivals import EventKind
 from baton.shared.metrics import Stamps, log_request
 
 from baton.shared.transfer.notices import request_tag
-from ..worker import Worker, WorkerConfig, publish_changes, snapshot_message, speculation
+from ..worker import FIRST_TOKENS_WAIT_S, Worker, WorkerConfig, publish_changes, snapshot_message, speculation
 
 log = logging.getLogger("baton.decode")
 PARK_S = 0.5  # how long an engine thread with nothing to step waits for an arrival before returning
-FIRST_TOKEN_WAIT_S = 0.002  # a prompt computed here: the engine thread waits at most this for its first token to be on the wire
 
 
 @dataclass
@@ -311,12 +310,12 @@ class DecodeWorker(Worker):
 
     @staticmethod
     def _stream_first_token(req: Request, token: int, post: Callable[[tuple], None]) -> None:
-        """Engine thread: hand the first token to the loop and wait (at most FIRST_TOKEN_WAIT_S)
+        """Engine thread: hand the first token to the loop and wait (at most FIRST_TOKENS_WAIT_S)
         until it is written: computing on meanwhile would hold the core and the GIL the loop needs
         to send it (prefill's `_stream_first_tokens`)."""
         written = threading.Event()
         post(("first", req, token, written))
-        written.wait(FIRST_TOKEN_WAIT_S)
+        written.wait(FIRST_TOKENS_WAIT_S)
 
     # --- decode loop ----------------------------------------------------------------------
     async def _step_loop(self) -> None:

@@ -38,10 +38,9 @@ from baton.shared.metrics import log_request
 
 from baton.shared.transfer.notices import request_tag
 from .jobs import Job, Jobs, take_batch
-from ..worker import Worker, WorkerConfig, publish_changes, snapshot_message, speculation
+from ..worker import FIRST_TOKENS_WAIT_S, Worker, WorkerConfig, publish_changes, snapshot_message, speculation
 
 log = logging.getLogger("baton.prefill")
-FIRST_TOKENS_WAIT_S = 0.002  # the engine thread waits at most this for a batch's first tokens to be on the wire
 Staged = list[Descriptor] | BatonError | None  # a computed request's WRITE list, why it has none,
 # or None: its target is still to come
 
