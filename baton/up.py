@@ -1,6 +1,8 @@
 """`baton up`: an embedded nats-server plus every service, each its own OS process.
 
-Children run as `python -m baton serve <role> ...`, so a process listing shows which is which.
+Children are `baton serve <role> ...` processes forked by one launcher that has imported torch
+and the services already (baton.launcher), each titled with that command line, so a process listing
+shows which is which.
 Ready means a request would succeed: the registry knows every worker and a warm-up request was
 answered; then one line with the NATS URL is printed. A child that dies during start-up fails
 `baton up` at once (most likely a configuration error); from ready on, baton.supervisor restarts
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from baton.launcher import LaunchedProcess, Launcher
 from baton.proto import subjects
 from baton.proto.errors import BatonError
 from baton.proto.public import GenerateReply, GenerateRequest
@@ -49,13 +52,15 @@ def client_options(url: str) -> dict:
 @dataclass
 class Cluster:
     nats_url: str
-    children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    children: list[tuple[str, subprocess.Popen | LaunchedProcess]] = field(default_factory=list)
     commands: list[tuple[str, list[str]]] = field(default_factory=list)  # (role, args) of each child
     worker_ids: dict[int, str] = field(default_factory=dict)  # child index -> the id its current start got
     server: NatsServer | None = None
     log_dir: Path = Path(".")
     service: Credentials | None = None  # when this cluster's own server requires authentication
     client: Credentials | None = None
+    launcher: Launcher | None = None  # forks the services; None: each is started as a fresh process
+    owns_launcher: bool = True  # stop() closes it
 
     def spawn(self, role: str, args: list[str], log_dir: Path) -> None:
         self.commands.append((role, args))
@@ -66,15 +71,19 @@ class Cluster:
         role, args = self.commands[index]
         self.children[index] = (role, self._popen(index, role, args, self.log_dir, "ab"))
 
-    def _popen(self, index: int, role: str, args: list[str], log_dir: Path, log_mode: str) -> subprocess.Popen:
+    def _popen(self, index: int, role: str, args: list[str], log_dir: Path,
+               log_mode: str) -> subprocess.Popen | LaunchedProcess:
         name = f"{role}-{index}"
         if role in ("prefill", "decode") and "--worker-id" not in args:  # never two instances of one id
             self.worker_ids[index] = f"{name}-{uuid.uuid4().hex[:6]}"
             args = ["--worker-id", self.worker_ids[index], *args]
-        cmd = [sys.executable, "-m", "baton", "serve", role, "--nats-url", self.nats_url, *args]
+        argv = ["serve", role, "--nats-url", self.nats_url, *args]
         env = child_env({**os.environ, PORT_ENV: "auto", FILE_ENV: str(log_dir / f"{name}.metrics.json")})
         if self.service is not None:
             env |= {"BATON_NATS_USER": self.service.user, "BATON_NATS_PASSWORD": self.service.password}
+        if self.launcher is not None:
+            return self.launcher.spawn(argv, env, log_dir / f"{name}.log", append=log_mode == "ab")
+        cmd = [sys.executable, "-m", "baton", *argv]
         with open(log_dir / f"{name}.log", log_mode) as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     preexec_fn=die_with_parent())
@@ -100,6 +109,8 @@ class Cluster:
     def stop(self, grace_s: float = 20.0) -> None:
         """Every service (SIGTERM, then SIGKILL after `grace_s`), then the NATS server."""
         self.stop_services(grace_s)
+        if self.launcher is not None and self.owns_launcher:
+            self.launcher.close()
         if self.server is not None:
             self.server.stop()
 
@@ -177,10 +188,13 @@ def engine_cpus(prefill: int, decode: int, threads: int, cpus: Iterable[int] | N
     return [",".join(map(str, run)) for run in runs]
 
 
-def start_cluster(args, worker_args: list[str], auth: bool = False, cpus: list[str] | None = None) -> Cluster:
-    """The NATS server (unless --nats-url) and every service process; returns at once. With
-    `auth`, the embedded server gets generated users (service, client) and subject permissions.
-    `cpus`: each engine's CPU list (`engine_cpus`), or None to leave placement to the OS."""
+def start_cluster(args, worker_args: list[str], auth: bool = False, cpus: list[str] | None = None,
+                  launcher: Launcher | None = None) -> Cluster:
+    """The NATS server (unless --nats-url) and every service process; returns once they are
+    forked. With `auth`, the embedded server gets generated users (service, client) and subject
+    permissions. `cpus`: each engine's CPU list (`engine_cpus`), or None to leave placement to the
+    OS. `launcher`: the caller's, to fork the services from and leave open; else one of its own
+    (on Linux; elsewhere each service starts as a process of its own)."""
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     server, service, client = None, None, None
@@ -197,8 +211,21 @@ def start_cluster(args, worker_args: list[str], auth: bool = False, cpus: list[s
         server = NatsServer(port=getattr(args, "nats_port", None), store_dir=str(log_dir / "jetstream"),
                             config_file=config, die_with_parent=True).start()
         url = server.url
-    cluster = Cluster(url, server=server, log_dir=log_dir, service=service, client=client)
-    model = ["--model", str(args.model)]
+    own = launcher is None
+    if own and sys.platform.startswith("linux"):
+        launcher = Launcher(child_env(dict(os.environ)))
+    cluster = Cluster(url, server=server, log_dir=log_dir, service=service, client=client,
+                      launcher=launcher, owns_launcher=own)
+    try:
+        _spawn_services(cluster, args, worker_args, cpus)
+    except BaseException:  # e.g. the launcher could not start one: nothing is left running
+        cluster.stop(grace_s=5.0)
+        raise
+    return cluster
+
+
+def _spawn_services(cluster: Cluster, args, worker_args: list[str], cpus: list[str] | None) -> None:
+    model, log_dir = ["--model", str(args.model)], cluster.log_dir
     cluster.spawn("registry", model, log_dir)
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     for i, role in enumerate(roles):
@@ -206,7 +233,6 @@ def start_cluster(args, worker_args: list[str], auth: bool = False, cpus: list[s
     cluster.spawn("router", model, log_dir)
     if getattr(args, "http", False):  # `baton up --http`: the OpenAI-compatible frontend too
         cluster.spawn("http", model + ["--http-host", str(args.http_host), "--http-port", str(args.http_port)], log_dir)
-    return cluster
 
 
 def wait_http_ready(cluster: Cluster, host: str, port: int, timeout_s: float) -> str:

@@ -18,7 +18,7 @@ from baton.proto.internal import LookupReply, LookupRequest, WorkerEvent
 from baton.proto.public import GenerateReply, GenerateRequest, StreamChunk
 from baton.shared.bus import Bus
 from e2e_cluster import until, wait_all_free
-from test_up_supervision import LOADED, baton_up, busy_loops, children, prompts
+from test_up_supervision import LOADED, baton_up, busy_loops, descendants, prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 MAX_TOKENS = 96
@@ -78,7 +78,7 @@ async def left_events(bus: Bus) -> list[WorkerEvent]:
 
 
 def pid_of(up, what: str) -> int:
-    return next(pid for pid, cmd in children(up.proc.pid).items() if what in cmd)
+    return next(pid for pid, cmd in descendants(up.proc.pid).items() if what in cmd)
 
 
 def silent(outcome) -> bool:

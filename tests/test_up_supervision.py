@@ -84,15 +84,23 @@ def baton_up(tmp: Path, *flags: str):
         stop(proc, grace_s=60)
 
 
-def children(pid: int) -> dict[int, str]:
-    """Live child processes of `pid`: pid -> command line."""
-    found = {}
+def descendants(pid: int) -> dict[int, str]:
+    """Live processes below `pid` (its children, theirs, ...): pid -> command line. `baton up`'s
+    services are its launcher's children (baton/launcher.py)."""
+    parent, cmdline = {}, {}
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):
             stat = (entry / "stat").read_text()
             state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-            if entry.name.isdigit() and int(ppid) == pid and state != "Z":
-                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if entry.name.isdigit() and state != "Z":
+                parent[int(entry.name)] = int(ppid)
+                cmdline[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    found, below = {}, [pid]
+    while below:
+        above = below.pop()
+        for child in [p for p, pp in parent.items() if pp == above]:
+            found[child] = cmdline[child]
+            below.append(child)
     return found
 
 
@@ -150,7 +158,7 @@ def test_one_of_two_decodes_killed_is_restarted_and_no_request_is_lost(tmp_path,
                 old = set(await decodes(up.nats_url))
                 during = [asyncio.create_task(answer(bus, p, 600)) for p in batch]
                 await until(lambda: _all_active(up.nats_url), 60, "both decodes decoding")
-                os.kill(next(pid for pid, cmd in children(up.proc.pid).items() if "serve decode" in cmd), signal.SIGKILL)
+                os.kill(next(pid for pid, cmd in descendants(up.proc.pid).items() if "serve decode" in cmd), signal.SIGKILL)
                 started = time.monotonic()
                 assert await asyncio.gather(*during) == before  # whole replies, finish reasons too
                 await until(lambda: _replaced(up.nats_url, old), 60, "the killed decode registered again")
@@ -175,9 +183,10 @@ async def _replaced(url: str, old: set[str]) -> bool:
 @LOADED
 def test_sigkill_of_baton_up_leaves_no_process(tmp_path, busy):
     with busy_loops(busy), baton_up(tmp_path) as up:
-        kids = children(up.proc.pid)
+        kids = descendants(up.proc.pid)
         assert any("nats-server" in cmd for cmd in kids.values()), kids
         assert sum("baton serve" in cmd for cmd in kids.values()) == 4, kids
+        assert sum("baton.launcher" in cmd for cmd in kids.values()) == 1, kids
         os.kill(up.proc.pid, signal.SIGKILL)
         try:
             until_sync(lambda: not any(alive(pid) for pid in kids), 30, f"every child of baton up gone: {kids}",
@@ -208,7 +217,7 @@ def test_baton_up_gives_each_engine_its_own_cores_hugepage_malloc_and_the_wake_l
     anywhere = {frozenset(os.sched_getaffinity(0))}
     with baton_up(tmp_path, "--cpu-wake-latency-us", "0") as up:
         ready = "".join(line for line in up.output if line.startswith("baton ready:"))
-        kids = children(up.proc.pid)
+        kids = descendants(up.proc.pid)
         roles = {role: pid for pid, cmd in kids.items() for role in ("prefill", "decode", "router", "registry")
                  if f"baton serve {role}" in cmd}
         for role, pid in roles.items():
@@ -236,7 +245,7 @@ def test_a_service_crashing_in_a_loop_is_given_up_on(tmp_path):
         deadline = time.monotonic() + 240
         while up.proc.poll() is None:
             assert time.monotonic() < deadline, f"baton up still running after {len(killed)} kills"
-            seen |= children(up.proc.pid)
+            seen |= descendants(up.proc.pid)
             for pid, cmd in seen.items():
                 if "serve decode" in cmd and pid not in killed:
                     os.kill(pid, signal.SIGKILL)
