@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import inspect
+import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +22,8 @@ from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import Heartbeat, LookupReply, LookupRequest, WorkerInfo, WorkerLoad
 from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
+from baton.launcher import Launcher
+from baton.shared.process import child_env
 from baton.up import Cluster, start_cluster, wait_http_ready, wait_ready
 
 
@@ -41,7 +46,7 @@ def running_cluster(nats_url: str | None = None, prefill: int = 1, decode: int =
         for name, value in env.items():
             patch.setenv(name, value)
         cluster = start_cluster(args, ["--threads", "1", "--num-pages", "512", "--num-slots", "16", *worker_args],
-                                auth)
+                                auth, launcher=shared_launcher())
     try:
         asyncio.run(wait_ready(cluster.nats_url, cluster, prefill, decode, 240.0, warm_up))
         if http_port is not None:
@@ -52,6 +57,28 @@ def running_cluster(nats_url: str | None = None, prefill: int = 1, decode: int =
         raise
     finally:
         cluster.stop()
+
+
+_LAUNCHERS: dict[tuple, Launcher] = {}  # by environment: the imports once per test process, not per cluster
+
+
+def shared_launcher() -> Launcher | None:
+    """The launcher this process's clusters fork their services from, one per environment (what a
+    library reads as it loads is the launcher's: baton/launcher.py); None off the main thread,
+    whose end would kill the launcher it started (PR_SET_PDEATHSIG): the cluster starts its own."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    env = child_env(dict(os.environ))
+    key = tuple(sorted(env.items()))
+    if key not in _LAUNCHERS:
+        _LAUNCHERS[key] = Launcher(env)
+    return _LAUNCHERS[key]
+
+
+@atexit.register
+def _close_launchers() -> None:
+    for launcher in _LAUNCHERS.values():
+        launcher.close()
 
 
 def print_logs(log_dir: str) -> None:
