@@ -1,10 +1,11 @@
-"""Start Baton's service processes by forking one that has imported them already.
+"""Start Baton's worker processes by forking one that has imported them already.
 
-A service started as `python -m baton serve <role>` spends ~1.5 s of CPU importing torch, nats-py
-and Baton before it does anything of its own (docs/benchmarks.md, stop 63): `baton up` paid it for
-every service and again for every restart. `Launcher` starts `python -m baton.launcher` once; that
-process imports them and then forks a service per request, so a restarted decode is registered
-again in about a second instead of three.
+A prefill or decode worker started as `python -m baton serve <role>` spends ~1.5 s of CPU importing
+torch, nats-py and Baton before it does anything of its own (docs/benchmarks.md, stop 63): `baton
+up` paid it for every worker and again for every restart. `Launcher` starts `python -m
+baton.launcher` once; that process imports them and then forks a worker per request, so a
+restarted decode is registered again in about a second instead of 2.5-3.5 s. (The router and the
+registry never load torch; `baton up` starts them fresh, so they stay small.)
 
 Each service still is its own process, as `python -m baton serve` would make it: its own session,
 its own log file on stdout and stderr, its own environment, and a process title that reads as its
@@ -41,7 +42,7 @@ from pathlib import Path
 from baton.shared.process import PR_SET_PDEATHSIG, die_with_parent
 
 PRELOADED = ("torch", "nats", "baton.cli", "baton.serve", "baton.services.worker", "baton.services.prefill.service",
-             "baton.services.decode.service", "baton.services.router.service", "baton.services.registry.service")
+             "baton.services.decode.service")
 SPAWN_TIMEOUT_S = 240.0  # the first answer waits for the launcher's imports, on a loaded machine too
 TITLE_ROOM = 1024  # bytes of command line the launcher keeps for its children's titles
 

@@ -1,8 +1,8 @@
 """`baton up`: an embedded nats-server plus every service, each its own OS process.
 
-Children are `baton serve <role> ...` processes forked by one launcher that has imported torch
-and the services already (baton.launcher), each titled with that command line, so a process listing
-shows which is which.
+Children run as `python -m baton serve <role> ...`, so a process listing shows which is which; the
+prefill and decode workers are forked by one launcher that has imported torch and the workers
+already (baton.launcher, `up.fork_workers`), each titled with that command line.
 Ready means a request would succeed: the registry knows every worker and a warm-up request was
 answered; then one line with the NATS URL is printed. A child that dies during start-up fails
 `baton up` at once (most likely a configuration error); from ready on, baton.supervisor restarts
@@ -35,6 +35,7 @@ from baton.shared.metrics import FILE_ENV, PORT_ENV
 from baton.shared.process import child_env, die_with_parent
 from baton.supervisor import Supervisor
 
+FORKED_ROLES = ("prefill", "decode")  # the ones that load torch; the light services start fresh without it
 STATE_FILE = Path(os.environ.get("BATON_STATE", Path.home() / ".cache" / "baton" / "up.json"))
 
 
@@ -59,7 +60,7 @@ class Cluster:
     log_dir: Path = Path(".")
     service: Credentials | None = None  # when this cluster's own server requires authentication
     client: Credentials | None = None
-    launcher: Launcher | None = None  # forks the services; None: each is started as a fresh process
+    launcher: Launcher | None = None  # forks the workers; None: each is started as a fresh process
     owns_launcher: bool = True  # stop() closes it
 
     def spawn(self, role: str, args: list[str], log_dir: Path) -> None:
@@ -81,7 +82,7 @@ class Cluster:
         env = child_env({**os.environ, PORT_ENV: "auto", FILE_ENV: str(log_dir / f"{name}.metrics.json")})
         if self.service is not None:
             env |= {"BATON_NATS_USER": self.service.user, "BATON_NATS_PASSWORD": self.service.password}
-        if self.launcher is not None:
+        if self.launcher is not None and role in FORKED_ROLES:
             return self.launcher.spawn(argv, env, log_dir / f"{name}.log", append=log_mode == "ab")
         cmd = [sys.executable, "-m", "baton", *argv]
         with open(log_dir / f"{name}.log", log_mode) as log:
@@ -189,12 +190,12 @@ def engine_cpus(prefill: int, decode: int, threads: int, cpus: Iterable[int] | N
 
 
 def start_cluster(args, worker_args: list[str], auth: bool = False, cpus: list[str] | None = None,
-                  launcher: Launcher | None = None) -> Cluster:
+                  launcher: Launcher | None = None, fork_workers: bool = True) -> Cluster:
     """The NATS server (unless --nats-url) and every service process; returns once they are
-    forked. With `auth`, the embedded server gets generated users (service, client) and subject
+    started. With `auth`, the embedded server gets generated users (service, client) and subject
     permissions. `cpus`: each engine's CPU list (`engine_cpus`), or None to leave placement to the
-    OS. `launcher`: the caller's, to fork the services from and leave open; else one of its own
-    (on Linux; elsewhere each service starts as a process of its own)."""
+    OS. `launcher`: the caller's, to fork the workers from and leave open; else, with
+    `fork_workers` (`up.fork_workers`) on Linux, one of its own; else each starts fresh."""
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     server, service, client = None, None, None
@@ -212,7 +213,7 @@ def start_cluster(args, worker_args: list[str], auth: bool = False, cpus: list[s
                             config_file=config, die_with_parent=True).start()
         url = server.url
     own = launcher is None
-    if own and sys.platform.startswith("linux"):
+    if own and fork_workers and sys.platform.startswith("linux"):
         launcher = Launcher(child_env(dict(os.environ)))
     cluster = Cluster(url, server=server, log_dir=log_dir, service=service, client=client,
                       launcher=launcher, owns_launcher=own)
@@ -259,7 +260,8 @@ def run_up(args, worker_args: list[str], cpus: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop_now.append(1))
     cluster = None
     try:
-        cluster = start_cluster(args, worker_args, auth=not getattr(args, "no_auth", False), cpus=cpus)
+        cluster = start_cluster(args, worker_args, auth=not getattr(args, "no_auth", False), cpus=cpus,
+                                fork_workers=args.settings.up.fork_workers)
         asyncio.run(wait_ready(cluster.nats_url, cluster, args.prefill, args.decode, args.ready_timeout))
         http = ""
         if getattr(args, "http", False):

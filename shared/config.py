@@ -217,6 +217,10 @@ class UpSection:
                                    "never preempts the other; the light services run anywhere. none: the OS places "
                                    "them. A worker.cpus set by hand wins", one_of("auto", "none"),
                            flag="--engine-cpus")
+    fork_workers: bool = key(True, "start prefill and decode by forking one process that imported torch and "
+                                   "Baton once (baton/launcher.py): ~1.5 s less CPU per start and restart. "
+                                   "false: each as a fresh `python -m baton serve` process. The light services "
+                                   "always start fresh (they never load torch)")
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,8 @@ class Up:
 
 
 @contextlib.contextmanager
-def baton_up(tmp: Path, *flags: str):
-    env = {**os.environ, "BATON_STATE": str(tmp / "up.json")}
+def baton_up(tmp: Path, *flags: str, env: dict[str, str] = {}):
+    env = {**os.environ, "BATON_STATE": str(tmp / "up.json"), **env}
     proc = subprocess.Popen([sys.executable, "-m", "baton", "up", "--no-auth", "--log-dir", str(tmp / "logs"),
                              *WORKER_FLAGS, *flags], env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -194,6 +194,30 @@ def test_sigkill_of_baton_up_leaves_no_process(tmp_path, busy):
         finally:  # what a failure left behind
             for pid in filter(alive, kids):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("fork_workers", ["true", "false"])
+def test_the_workers_are_forked_from_a_launcher_unless_told_otherwise_and_the_light_services_never_load_torch(
+        tmp_path, fork_workers):
+    """`up.fork_workers` (baton/launcher.py): prefill and decode are the children of one launcher
+    that imported torch once, or each a fresh child of `baton up`; the router and the registry
+    always start fresh, so they never have torch in memory."""
+    with baton_up(tmp_path, env={"BATON_UP_FORK_WORKERS": fork_workers}) as up:
+        kids = descendants(up.proc.pid)
+        roles = {role: pid for pid, cmd in kids.items() for role in ("prefill", "decode", "router", "registry")
+                 if f"baton serve {role}" in cmd}
+        launchers = [pid for pid, cmd in kids.items() if "baton.launcher" in cmd]
+        workers_parent = launchers[0] if fork_workers == "true" else up.proc.pid
+        assert len(launchers) == (fork_workers == "true")
+        assert {role: parent_of(pid) for role, pid in roles.items()} == {
+            "prefill": workers_parent, "decode": workers_parent, "router": up.proc.pid, "registry": up.proc.pid}
+        assert {role: "libtorch" in Path(f"/proc/{pid}/maps").read_text() for role, pid in roles.items()} == {
+            "prefill": True, "decode": True, "router": False, "registry": False}
+
+
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 def cpus_of(pid: int) -> set[frozenset[int]]:
