@@ -6,8 +6,9 @@ starting each as a fresh process, measured in the same run.
 
 Each run starts `baton up` as a user would, once with each setting (alternating which goes
 first), times it to its ready line (a warm-up request has then been answered), reads every
-process below it (the launcher's children too) from /proc: VmRSS, libtorch in its maps, and the
-CPU it has used (utime + stime), then kills one decode with SIGKILL and times `baton up`'s
+process below it (the launcher's children too) from /proc: VmRSS, PSS (its shared pages split
+among the processes that share them: the launcher's with the workers it forked), libtorch in its
+maps, and the CPU it has used (utime + stime), then kills one decode with SIGKILL and times `baton up`'s
 restart of it, from the kill to the restarted decode's "registered as" line in its log (its
 supervisor waits 0.5 s before a first restart); then stops it with SIGTERM.
 """
@@ -36,12 +37,14 @@ def describe(pid: int) -> dict:
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     words = [w.decode() for w in cmdline if w.strip()]
     role = (words[words.index("serve") + 1] if "serve" in words else
-            "launcher" if "baton.launcher" in words else Path(words[0]).name)
+            words[words.index("-m") + 1] if "-m" in words else Path(words[0]).name)
     rss_kb = int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1))
+    pss_kb = int(re.search(r"Pss:\s+(\d+)", Path(f"/proc/{pid}/smaps_rollup").read_text()).group(1))
     torch_loaded = "libtorch" in Path(f"/proc/{pid}/maps").read_text()
     stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     cpu_s = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime (fields 14, 15)
-    return {"role": role, "pid": pid, "rss_mb": rss_kb / 1024, "imports_torch": torch_loaded, "cpu_s": cpu_s}
+    return {"role": role, "pid": pid, "rss_mb": rss_kb / 1024, "pss_mb": pss_kb / 1024, "imports_torch": torch_loaded,
+            "cpu_s": cpu_s}
 
 
 def one_run(fork_workers: bool) -> dict:
@@ -89,9 +92,10 @@ def main() -> None:
         print(f"\nup.fork_workers = {str(fork).lower()}, {len(mine)} runs: ready in {_spread(ready)} s; "
               f"CPU of every process at ready {_spread(cpu)} s; a killed decode registered again {_spread(restarts)} s "
               "after the kill")
-        print(f"{'service':<14} {'RSS MB':>8} {'torch':>6} {'CPU s':>6}")
+        print(f"{'process':<38} {'RSS MB':>8} {'PSS MB':>8} {'torch':>6} {'CPU s':>6}")
         for s in sorted(mine[-1]["services"], key=lambda s: s["role"]):
-            print(f"{s['role']:<14} {s['rss_mb']:>8.1f} {'yes' if s['imports_torch'] else 'no':>6} {s['cpu_s']:>6.2f}")
+            print(f"{s['role']:<38} {s['rss_mb']:>8.1f} {s['pss_mb']:>8.1f} {'yes' if s['imports_torch'] else 'no':>6} "
+                  f"{s['cpu_s']:>6.2f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"runs": runs, "cpu_count": os.cpu_count()}, indent=2) + "\n")
