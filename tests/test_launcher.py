@@ -16,6 +16,7 @@ from baton.shared.bus import Bus
 from baton.shared.config import env_name
 from baton.shared.process import child_env
 from e2e_cluster import until_sync
+from test_up_supervision import alive
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,14 +41,6 @@ def registry_answers(url: str) -> bool:
             except BatonError:
                 return False
     return asyncio.run(ask())
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def test_a_command_runs_with_its_own_environment_and_log_and_its_exit_code_comes_back(launcher, tmp_path):
