@@ -52,7 +52,7 @@ class LauncherError(RuntimeError):
 
 
 class LaunchedProcess:
-    """A service the launcher forked; the part of `subprocess.Popen`'s interface Baton uses."""
+    """A process the launcher forked; the part of `subprocess.Popen`'s interface Baton uses."""
 
     def __init__(self, launcher: "Launcher", pid: int, args: list[str]):
         self._launcher, self.pid, self.args = launcher, pid, args
@@ -211,23 +211,23 @@ def _start(request: dict, children: set[int], answers: int, own_fds: tuple[int, 
                       0o644)
     except OSError as exc:
         return _tell(answers, {"error": f"cannot open the log of {what}: {exc}"})
+    launcher = os.getpid()
     try:
         pid = os.fork()
     except OSError as exc:
         os.close(log)
         return _tell(answers, {"error": f"cannot start {what}: {exc}"})
     if pid == 0:
-        os._exit(_become(request, args, log, own_fds))
+        os._exit(_become(request, args, launcher, log, own_fds))
     os.close(log)
     children.add(pid)
     _tell(answers, {"pid": pid, "args": args})
 
 
-def _become(request: dict, args: list[str], log: int, own_fds: tuple[int, ...]) -> int:
-    """In the forked child: become the service `args` names, `log` its stdout and stderr;
-    returns its exit code."""
+def _become(request: dict, args: list[str], launcher: int, log: int, own_fds: tuple[int, ...]) -> int:
+    """In the forked child of `launcher`: become the service `args` names, `log` its stdout and
+    stderr; returns its exit code."""
     try:
-        launcher = os.getppid()
         os.setsid()
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != launcher:  # the launcher died before prctl: no signal would ever come
@@ -239,7 +239,8 @@ def _become(request: dict, args: list[str], log: int, own_fds: tuple[int, ...]) 
         null = os.open(os.devnull, os.O_RDONLY)
         for source, target in ((null, 0), (log, 1), (log, 2)):
             os.dup2(source, target)
-        os.close(log), os.close(null)
+        os.close(log)
+        os.close(null)
         os.environ.clear()
         os.environ.update(request["env"])
         _set_title(args)
