@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from baton.launcher import Launcher
 from baton.proto import subjects
 from baton.proto.codec import decode as decode_message
 from baton.proto.errors import BatonError, ErrorCode
 from baton.proto.internal import Heartbeat, LookupReply, LookupRequest, WorkerInfo, WorkerLoad
 from baton.shared.bus import Bus
 from baton.shared.model.checkpoint import DEFAULT_MODEL_DIR
-from baton.launcher import Launcher
 from baton.shared.process import child_env
 from baton.up import Cluster, start_cluster, wait_http_ready, wait_ready
 
@@ -63,7 +63,7 @@ _LAUNCHERS: dict[tuple, Launcher] = {}  # by environment: the imports once per t
 
 
 def shared_launcher() -> Launcher | None:
-    """The launcher this process's clusters fork their services from, one per environment (what a
+    """The launcher this process's clusters fork their workers from, one per environment (what a
     library reads as it loads is the launcher's: baton/launcher.py); None off the main thread,
     whose end would kill the launcher it started (PR_SET_PDEATHSIG): the cluster starts its own."""
     if threading.current_thread() is not threading.main_thread():
