@@ -84,14 +84,19 @@ def baton_up(tmp: Path, *flags: str, env: dict[str, str] = {}):
         stop(proc, grace_s=60)
 
 
+def stat_fields(pid: int | str) -> list[str]:
+    """/proc/<pid>/stat after the command name: [state, ppid, ...] (fields 3 on)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def descendants(pid: int) -> dict[int, str]:
     """Live processes below `pid` (its children, theirs, ...): pid -> command line. `baton up`'s
-    services are its launcher's children (baton/launcher.py)."""
+    workers are its launcher's children (baton/launcher.py)."""
     parent, cmdline = {}, {}
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = (entry / "stat").read_text()
-            state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+            state, ppid = stat_fields(entry.name)[:2]
             if entry.name.isdigit() and state != "Z":
                 parent[int(entry.name)] = int(ppid)
                 cmdline[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -106,10 +111,9 @@ def descendants(pid: int) -> dict[int, str]:
 
 def alive(pid: int) -> bool:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat_fields(pid)[0] != "Z"
     except OSError:
         return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -216,8 +220,7 @@ def test_the_workers_are_forked_from_a_launcher_unless_told_otherwise_and_the_li
 
 
 def parent_of(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[1])
+    return int(stat_fields(pid)[1])
 
 
 def cpus_of(pid: int) -> set[frozenset[int]]:
